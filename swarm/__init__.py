@@ -1,0 +1,1 @@
+"""Shared core of SWARM: model stages, codecs, wire format, config. Importing it starts nothing."""

@@ -1,0 +1,66 @@
+"""Model configuration and named presets. Every model default lives here, once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A GPT-style decoder cut into `n_stages` pipeline stages.
+
+    Each stage holds `layers_per_stage` transformer blocks; with `share_layers` they are one block applied that many
+    times (ALBERT-style), otherwise an ordinary stack.
+    """
+
+    vocab_size: int = 256  # byte-level: nothing to download
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 384
+    max_seq_len: int = 128
+    n_stages: int = 3
+    layers_per_stage: int = 2
+    share_layers: bool = True
+    checkpointing: bool = True
+    seed: int = 0  # every peer of a stage initialises identically from (seed, stage)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len", "n_stages", "layers_per_stage"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head size (--d-model / --n-heads) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def local_debug() -> ModelConfig:
+    """Small enough that 3 stages x 2 servers + 2 trainers train visibly on 2 CPU cores."""
+    return ModelConfig()
+
+
+def tiny_test() -> ModelConfig:
+    """For unit tests: milliseconds per microbatch."""
+    return ModelConfig(d_model=32, n_heads=2, d_ff=64, max_seq_len=16, layers_per_stage=2)
+
+
+def gpt_1b_4stages() -> ModelConfig:
+    """Roughly 1B parameters over 4 unshared stages, for GPU servers."""
+    return ModelConfig(
+        vocab_size=50304, d_model=2048, n_heads=16, d_ff=5504, max_seq_len=1024,
+        n_stages=4, layers_per_stage=5, share_layers=False,
+    )  # fmt: skip
+
+
+PRESETS = {f.__name__: f for f in (local_debug, tiny_test, gpt_1b_4stages)}
+
+
+def model_config(preset: str = "local_debug", **overrides) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown --preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset](), **overrides)

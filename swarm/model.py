@@ -1,0 +1,130 @@
+"""GPT-style decoder cut into pipeline stages: pre-norm, rotary positions, GeGLU MLP, SDPA attention.
+
+A stage holds one block of parameters applied `layers_per_stage` times (or an unshared stack). Stage 0 adds the token
+embedding; the last stage adds the final norm, LM head and loss. `GPT` is the same stages run in one process: its
+parameters are bitwise those of the stages a server builds, because every stage initialises from (seed, index).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from swarm.config import ModelConfig
+
+
+def rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles_TH = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    return angles_TH.cos(), angles_TH.sin()
+
+
+def apply_rotary(x_BHTS: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHTS.float().unflatten(-1, (-1, 2)).unbind(-1)  # pairs of channels rotate together
+    rotated = torch.stack((x1 * cos_TH - x2 * sin_TH, x1 * sin_TH + x2 * cos_TH), dim=-1)
+    return rotated.flatten(-2).type_as(x_BHTS)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
+        cos, sin = rotary_tables(T, D // self.n_heads, x_BTD.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y_BHTS = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y_BHTS.transpose(1, 2).reshape(B, T, D))
+
+
+class GeGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        gate, value = self.up(x_BTD).chunk(2, dim=-1)
+        return self.down(F.gelu(gate) * value)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_attn = nn.LayerNorm(cfg.d_model, bias=False)
+        self.attn = Attention(cfg)
+        self.norm_mlp = nn.LayerNorm(cfg.d_model, bias=False)
+        self.mlp = GeGLU(cfg)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.norm_attn(x_BTD))
+        return x_BTD + self.mlp(self.norm_mlp(x_BTD))
+
+
+class Stage(nn.Module):
+    """Stage `index` of `cfg.n_stages`. Inputs: token ids (B, T) for stage 0, hidden (B, T, D) otherwise.
+    Outputs: hidden (B, T, D), or logits (B, T, V) for the last stage."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        if not 0 <= index < cfg.n_stages:
+            raise ValueError(f"--stage must be in [0, {cfg.n_stages}), got {index}")
+        self.cfg, self.index = cfg, index
+        self.is_first, self.is_last = index == 0, index == cfg.n_stages - 1
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if self.is_first else None
+        n_unique = 1 if cfg.share_layers else cfg.layers_per_stage
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_unique))
+        self.norm_out = nn.LayerNorm(cfg.d_model, bias=False) if self.is_last else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic in (seed, index) so that every peer of a stage, and `GPT`, start bitwise identical."""
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.index)
+        depth_scale = 1 / math.sqrt(2 * self.cfg.n_stages * self.cfg.layers_per_stage)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                std = 0.02 * (depth_scale if name.endswith(("proj.weight", "down.weight")) else 1.0)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.embed(inputs) if self.is_first else inputs
+        for i in range(self.cfg.layers_per_stage):
+            block = self.blocks[0 if self.cfg.share_layers else i]
+            if self.cfg.checkpointing and torch.is_grad_enabled() and h_BTD.requires_grad:
+                h_BTD = checkpoint(block, h_BTD, use_reentrant=False)
+            else:
+                h_BTD = block(h_BTD)
+        return self.head(self.norm_out(h_BTD)) if self.is_last else h_BTD
+
+    def loss(self, inputs: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; last stage only."""
+        assert self.is_last, "only the last stage computes the loss"
+        logits_BTV = self(inputs)
+        return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten())
+
+
+class GPT(nn.Module):
+    """All stages in one process: the reference that the partitioned swarm must match."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.stages = nn.ModuleList(Stage(cfg, i) for i in range(cfg.n_stages))
+
+    def forward(self, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        h = tokens_BT
+        for stage in self.stages[:-1]:
+            h = stage(h)
+        return self.stages[-1].loss(h, labels_BT)
