@@ -1,0 +1,131 @@
+"""Trainer-side stochastic wiring for one stage: interleaved weighted round-robin (IWRR) over the stage's peers.
+
+Each peer has a *virtual finish time* (its key). ``choose`` picks the available peer with the smallest key and
+charges it ``task_size × ema``, where ``ema`` is an exponential moving average of the seconds per sample the trainer
+observed from that peer. In steady state every peer's key advances at the same rate, so each peer receives work in
+proportion to ``1 / ema``, i.e. to its measured throughput. Keys are virtual (not wall-clock), so only their order and
+differences matter; a peer that joins or returns from a ban starts at the current minimum key so that it is probed
+soon but cannot catch up on a backlog of "missed" work and get flooded.
+
+Pure and synchronous: no I/O, no asyncio. Peer expirations come from DHT records, so ``clock`` must read the same time
+base as they do (``hivemind.get_dht_time`` is ``time.time``).
+"""
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Collection, Mapping
+
+
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    expiration: float  # expiration time of the peer's latest DHT record
+    key: float  # virtual finish time; only compared with other peers' keys
+    ema: float | None  # seconds per sample; None until anything is known about this stage's speed
+    measured: bool = False  # False while ema is only a prior borrowed from other peers
+    chosen: int = 0
+
+
+class StageRouter:
+    """IWRR router for the peers of one stage.
+
+    Invariants: ``available`` holds exactly the peers listed by the last ``update_peers`` whose record has not expired
+    and that are not banned; ``choose`` returns only such peers; a ban on a peer lifts only when the peer is listed
+    with an expiration newer than the one it had when banned (it re-announced), even if it vanished meanwhile.
+    """
+
+    def __init__(self, alpha: float = 0.1, timeout_penalty: float = 2.0, clock: Callable[[], float] = time.time):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if timeout_penalty < 1.0:
+            raise ValueError(f"timeout_penalty must be >= 1 (a timeout never makes a peer look faster), got {timeout_penalty}")
+        self.alpha, self.timeout_penalty, self.clock = alpha, timeout_penalty, clock
+        self._peers: dict[str, _Peer] = {}
+        self._bans: dict[str, float] = {}  # peer_id -> its record's expiration when it was banned
+
+    def update_peers(self, peers: Mapping[str, float]) -> None:
+        """Replace the peer set with ``peers`` (peer_id -> expiration of its current DHT record).
+
+        A peer that becomes available (new, unbanned, or re-listed after its record expired) starts at the minimum key
+        of the peers that stay available: it is chosen soon, but its stale or zero key cannot pull in a flood of work.
+        A new peer's EMA prior is the median of the measured EMAs (None while nothing is measured)."""
+        before = set(self.available)
+        for peer_id in self._peers.keys() - peers.keys():
+            del self._peers[peer_id]
+        now = self.clock()
+        # a ban outlives the peer's disappearance, but once the banned record expired any listing of it is newer
+        self._bans = {i: exp for i, exp in self._bans.items() if (peers[i] <= exp if i in peers else exp > now)}
+        measured = [p.ema for p in self._peers.values() if p.measured]
+        prior = statistics.median(measured) if measured else None
+        added = peers.keys() - self._peers.keys()
+        for peer_id, expiration in peers.items():
+            if peer_id in added:
+                self._peers[peer_id] = _Peer(expiration=expiration, key=0.0, ema=prior)
+            self._peers[peer_id].expiration = expiration
+        live = dict(self._live_items())
+        entering = [i for i in live if i not in before]
+        steady = [p.key for i, p in live.items() if i in before]
+        floor = min(steady) if steady else min((live[i].key for i in entering if i not in added), default=0.0)
+        for peer_id in (*entering, *added):
+            self._peers[peer_id].key = floor
+
+    def choose(self, task_size: int, exclude: Collection[str] = ()) -> str | None:
+        """Peer with the smallest key among available, non-excluded peers (ties: least chosen, then id); charge it
+        ``task_size × ema``. None when no peer is available."""
+        if task_size <= 0:
+            raise ValueError(f"task_size must be positive, got {task_size}")
+        candidates = [(p.key, p.chosen, peer_id) for peer_id, p in self._live_items() if peer_id not in exclude]
+        if not candidates:
+            return None
+        peer_id = min(candidates)[2]
+        peer = self._peers[peer_id]
+        peer.key += task_size * self._cost(peer)
+        peer.chosen += 1
+        return peer_id
+
+    def report_success(self, peer_id: str, task_size: int, seconds: float) -> None:
+        """Fold ``seconds / task_size`` into the peer's EMA; the first measurement replaces the borrowed prior.
+        Reports about peers that are no longer listed are ignored (they may vanish while a task is in flight)."""
+        if task_size <= 0 or seconds < 0:
+            raise ValueError(f"need task_size > 0 and seconds >= 0, got {task_size=}, {seconds=}")
+        if (peer := self._peers.get(peer_id)) is None:
+            return
+        per_sample = seconds / task_size
+        if peer.measured:
+            peer.ema = (1.0 - self.alpha) * peer.ema + self.alpha * per_sample
+        else:
+            peer.ema, peer.measured = per_sample, True
+
+    def report_failure(self, peer_id: str, timed_out: bool = False) -> None:
+        """Ban the peer until it re-announces; a timeout also multiplies its EMA by ``timeout_penalty``."""
+        if (peer := self._peers.get(peer_id)) is None:
+            return
+        self._bans[peer_id] = peer.expiration
+        if timed_out and peer.ema is not None:
+            peer.ema *= self.timeout_penalty
+
+    @property
+    def available(self) -> list[str]:
+        """Listed, unexpired, unbanned peers."""
+        return [peer_id for peer_id, _ in self._live_items()]
+
+    def snapshot(self) -> dict[str, dict[str, float | int | bool | None]]:
+        """Per-peer state for logs and stats: ema (s/sample), key, banned, chosen, expiration."""
+        return {
+            peer_id: dict(ema=p.ema, key=p.key, banned=peer_id in self._bans, chosen=p.chosen, expiration=p.expiration)
+            for peer_id, p in self._peers.items()
+        }
+
+    def _live_items(self) -> list[tuple[str, _Peer]]:
+        now = self.clock()
+        return [(i, p) for i, p in self._peers.items() if i not in self._bans and p.expiration > now]
+
+    def _min_key(self, default: float) -> float:
+        return min((p.key for _, p in self._live_items()), default=default)
+
+    def _cost(self, peer: _Peer) -> float:
+        """Seconds per sample to charge. An unknown peer is assumed as fast as the fastest known one, so it is probed;
+        while nothing is known at all every charge is 0 and the tie-break on ``chosen`` makes the choice round-robin."""
+        if peer.ema is not None:
+            return peer.ema
+        return min((p.ema for p in self._peers.values() if p.ema is not None), default=0.0)
