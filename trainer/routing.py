@@ -24,6 +24,7 @@ class _Peer:
     ema: float | None  # seconds per sample; None until anything is known about this stage's speed
     measured: bool = False  # False while ema is only a prior borrowed from other peers
     chosen: int = 0
+    last_chosen: int = -1  # sequence number of the latest choice; breaks ties least-recently-chosen first
 
 
 class StageRouter:
@@ -38,10 +39,13 @@ class StageRouter:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if timeout_penalty < 1.0:
-            raise ValueError(f"timeout_penalty must be >= 1 (a timeout never makes a peer look faster), got {timeout_penalty}")
+            raise ValueError(
+                f"timeout_penalty must be >= 1 (a timeout never makes a peer look faster), got {timeout_penalty}"
+            )
         self.alpha, self.timeout_penalty, self.clock = alpha, timeout_penalty, clock
         self._peers: dict[str, _Peer] = {}
         self._bans: dict[str, float] = {}  # peer_id -> its record's expiration when it was banned
+        self._choices = 0
 
     def update_peers(self, peers: Mapping[str, float]) -> None:
         """Replace the peer set with ``peers`` (peer_id -> expiration of its current DHT record).
@@ -55,7 +59,7 @@ class StageRouter:
         now = self.clock()
         # a ban outlives the peer's disappearance, but once the banned record expired any listing of it is newer
         self._bans = {i: exp for i, exp in self._bans.items() if (peers[i] <= exp if i in peers else exp > now)}
-        measured = [p.ema for p in self._peers.values() if p.measured]
+        measured = [p.ema for p in self._peers.values() if p.measured and p.ema is not None]
         prior = statistics.median(measured) if measured else None
         added = peers.keys() - self._peers.keys()
         for peer_id, expiration in peers.items():
@@ -70,17 +74,18 @@ class StageRouter:
             self._peers[peer_id].key = floor
 
     def choose(self, task_size: int, exclude: Collection[str] = ()) -> str | None:
-        """Peer with the smallest key among available, non-excluded peers (ties: least chosen, then id); charge it
+        """Peer with the smallest key among available, non-excluded peers (ties: least recently chosen); charge it
         ``task_size × ema``. None when no peer is available."""
         if task_size <= 0:
             raise ValueError(f"task_size must be positive, got {task_size}")
-        candidates = [(p.key, p.chosen, peer_id) for peer_id, p in self._live_items() if peer_id not in exclude]
+        candidates = [(p.key, p.last_chosen, peer_id) for peer_id, p in self._live_items() if peer_id not in exclude]
         if not candidates:
             return None
         peer_id = min(candidates)[2]
         peer = self._peers[peer_id]
         peer.key += task_size * self._cost(peer)
         peer.chosen += 1
+        peer.last_chosen, self._choices = self._choices, self._choices + 1
         return peer_id
 
     def report_success(self, peer_id: str, task_size: int, seconds: float) -> None:
@@ -91,7 +96,7 @@ class StageRouter:
         if (peer := self._peers.get(peer_id)) is None:
             return
         per_sample = seconds / task_size
-        if peer.measured:
+        if peer.measured and peer.ema is not None:
             peer.ema = (1.0 - self.alpha) * peer.ema + self.alpha * per_sample
         else:
             peer.ema, peer.measured = per_sample, True
@@ -120,12 +125,9 @@ class StageRouter:
         now = self.clock()
         return [(i, p) for i, p in self._peers.items() if i not in self._bans and p.expiration > now]
 
-    def _min_key(self, default: float) -> float:
-        return min((p.key for _, p in self._live_items()), default=default)
-
     def _cost(self, peer: _Peer) -> float:
         """Seconds per sample to charge. An unknown peer is assumed as fast as the fastest known one, so it is probed;
-        while nothing is known at all every charge is 0 and the tie-break on ``chosen`` makes the choice round-robin."""
+        while nothing is known at all every charge is 0 and the least-recently-chosen tie-break makes it round-robin."""
         if peer.ema is not None:
             return peer.ema
         return min((p.ema for p in self._peers.values() if p.ema is not None), default=0.0)

@@ -1,0 +1,1 @@
+"""Discovery over hivemind's Kademlia DHT: typed server records, announce/discover, the `swarm-dht` bootstrap node."""

@@ -1,0 +1,42 @@
+"""`swarm-dht`: a bootstrap node. Prints the multiaddrs that servers and trainers pass as --initial-peers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from dht.node import start_dht
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
+    parser.add_argument("--port", type=int, default=31337, help="TCP port (0: any free port)")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
+    parser.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
+    parser.add_argument("--maddr-file", default=None, help="also write the multiaddrs here, one per line")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(args.initial_peers, host=args.host, port=args.port, identity_path=args.identity_path)
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if args.maddr_file:
+            tmp = Path(args.maddr_file).with_suffix(".tmp")
+            tmp.write_text("\n".join(maddrs) + "\n")
+            tmp.replace(args.maddr_file)  # readers never see half a file
+        print("DHT is running. Start servers and trainers with:", flush=True)
+        print("  --initial-peers " + " ".join(maddrs), flush=True)
+        stop.wait()
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""`swarm-server`: hosts one pipeline stage behind gRPC."""

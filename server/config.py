@@ -1,0 +1,37 @@
+"""Server configuration; `swarm-server`'s flags are generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    stage: str = field(default="0", metadata={"help": "stage index to serve, or 'auto': the stage with least capacity"})
+    swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
+    initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
+    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address (0.0.0.0 for a real swarm)"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0: any free port)"})
+    announce_host: str | None = field(default=None, metadata={"help": "address trainers dial (default: --host)"})
+    dht_port: int = field(default=0, metadata={"help": "libp2p port of this server's DHT node"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    samples_per_step: int = field(default=64, metadata={"help": "samples to accumulate before an optimizer step"})
+    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    clip_grad_norm: float = field(default=1.0, metadata={"help": "max gradient norm (0: no clipping)"})
+    max_batch_size: int = field(default=64, metadata={"help": "largest microbatch accepted, in samples"})
+    announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
+    record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
+    drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
+    slowdown: float = field(default=1.0, metadata={"help": "testing/benchmarks: run N times slower than measured"})
+    torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads (0: torch's default)"})
+
+    def __post_init__(self) -> None:
+        if self.stage != "auto" and not (self.stage.isdigit()):
+            raise ValueError(f"--stage must be a non-negative integer or 'auto', got {self.stage!r}")
+        if self.samples_per_step < 1 or self.max_batch_size < 1:
+            raise ValueError("--samples-per-step and --max-batch-size must be >= 1")
+        if self.record_ttl <= self.announce_period:
+            raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
+        if self.slowdown < 1.0:
+            raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")

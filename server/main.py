@@ -1,0 +1,121 @@
+"""`swarm-server`: serve one pipeline stage. Parses flags, starts the DHT node, serves until SIGTERM/SIGINT, then
+drains queued requests, withdraws its DHT record and shuts everything down in `finally`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+import torch
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from dht.node import SwarmDHT, start_dht
+from dht.records import ServerRecord
+from server.config import ServerConfig
+from server.service import StageSchema, StageService
+from server.worker import StageWorker
+from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
+from swarm.config import ModelConfig
+from swarm.model import Stage
+from swarm.wire import GRPC_OPTIONS, SERVICE
+
+logger = logging.getLogger("swarm.server")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+async def choose_stage(sdht: SwarmDHT, n_stages: int) -> int:
+    """`--stage auto`: the stage with the least announced capacity (fewest peers breaks ties, then lowest index)."""
+    views = [await sdht.discover(i) for i in range(n_stages)]
+    capacity = [(sum(e.record.throughput for e in v), len(v), i) for i, v in enumerate(views)]
+    return min(capacity)[2]
+
+
+async def serve(cfg: ServerConfig, model_cfg: ModelConfig, sdht: SwarmDHT, stop: asyncio.Event) -> None:
+    stage_index = await choose_stage(sdht, model_cfg.n_stages) if cfg.stage == "auto" else int(cfg.stage)
+    device = resolve_device(cfg.device)
+    worker = StageWorker(Stage(model_cfg, stage_index), cfg, device)
+    service = StageService(worker, StageSchema(model_cfg, stage_index, cfg.max_batch_size))
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([service.handler()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def record() -> ServerRecord:
+        return ServerRecord(
+            host=cfg.announce_host or cfg.host, port=port, stage=stage_index, throughput=worker.throughput,
+            queue_length=worker.queue_length, param_version=worker.param_version,
+        )  # fmt: skip
+
+    n_params = sum(p.numel() for p in worker.stage.parameters())
+    logger.info("stage %d/%d on %s: %.2fM parameters, serving at %s", stage_index, model_cfg.n_stages, device,
+                n_params / 1e6, record().address)  # fmt: skip
+    try:
+        while not stop.is_set():
+            try:
+                await sdht.announce(record(), cfg.record_ttl)
+            except Exception as e:  # the DHT may be briefly unreachable; the next period retries
+                logger.warning("announce failed: %r", e)
+            logger.info("stage %d: version %d, %d samples, %.1f samples/s, queue %d, rejected %d", stage_index,
+                        worker.param_version, worker.samples_processed, worker.throughput, worker.queue_length,
+                        service.requests_rejected)  # fmt: skip
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.announce_period)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        logger.info("stage %d: shutting down, draining up to %.0fs", stage_index, cfg.drain_timeout)
+        await health_servicer.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(sdht.withdraw(record(), cfg.record_ttl), 5)
+        except Exception as e:
+            logger.warning("could not withdraw the DHT record: %r", e)
+        await server.stop(grace=cfg.drain_timeout)
+        worker.shutdown()
+
+
+async def _main(cfg: ServerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(cfg, model_cfg, sdht, stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="swarm-server", description="Serve one SWARM pipeline stage.")
+    add_config_args(parser, ServerConfig)
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg, model_cfg = config_from_args(ServerConfig, args), model_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.torch_threads > 0:
+        torch.set_num_threads(cfg.torch_threads)
+    sdht = SwarmDHT(start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port), cfg.swarm_name)
+    try:
+        uvloop.run(_main(cfg, model_cfg, sdht))
+    finally:
+        sdht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

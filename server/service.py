@@ -1,0 +1,165 @@
+"""The gRPC face of a stage: parse, validate, enforce the deadline, delegate to the worker, encode the reply.
+
+Nothing that arrives is trusted. Headers are checked before payloads are buffered (swarm.wire), tensors are checked
+against the stage's schema after decoding (this module), and a bad request ends in INVALID_ARGUMENT for that call only.
+"""
+
+from __future__ import annotations
+
+import json
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from server.worker import DeadlineExpired, StageWorker
+from swarm import wire_pb2 as pb
+from swarm.compression import CODECS_BY_WIRE
+from swarm.config import ModelConfig
+from swarm.wire import PROTOCOL_VERSION, SERVICE, Call, Limits, WireError, decode_tensor, encode_tensor, iter_frames, read_call
+
+logger = logging.getLogger(__name__)
+
+
+class StageSchema:
+    """What this stage accepts: token ids (B, T) for stage 0, hidden (B, T, D) float for the rest; grad_outputs of the
+    stage's output shape; labels (B, T) in [0, vocab) for the last stage. B <= max_batch, T <= max_seq_len."""
+
+    def __init__(self, cfg: ModelConfig, stage: int, max_batch: int):
+        self.cfg, self.stage, self.max_batch = cfg, stage, max_batch
+        self.is_first, self.is_last = stage == 0, stage == cfg.n_stages - 1
+        hidden_bytes = max_batch * cfg.max_seq_len * cfg.d_model * 4
+        self.forward_limits = Limits(hidden_bytes, frozenset({"inputs"}))
+        grad_name = "labels" if self.is_last else "grad_outputs"
+        self.backward_limits = Limits(hidden_bytes, frozenset({"inputs", grad_name}))
+
+    def check_inputs(self, x: torch.Tensor) -> None:
+        if self.is_first:
+            _expect(x.dtype == torch.int64, f"stage 0 takes int64 token ids, got {x.dtype}")
+            _expect(x.ndim == 2, f"token ids must be (batch, seq), got shape {list(x.shape)}")
+            _check_ids(x, self.cfg.vocab_size, "inputs")
+        else:
+            _expect(x.is_floating_point(), f"stage {self.stage} takes floating-point hidden states, got {x.dtype}")
+            _expect(
+                x.ndim == 3 and x.shape[2] == self.cfg.d_model,
+                f"hidden states must be (batch, seq, {self.cfg.d_model}), got shape {list(x.shape)}",
+            )
+            _check_finite(x, "inputs")
+        _expect(1 <= x.shape[0] <= self.max_batch, f"batch {x.shape[0]} outside [1, {self.max_batch}]")
+        _expect(1 <= x.shape[1] <= self.cfg.max_seq_len, f"sequence {x.shape[1]} outside [1, {self.cfg.max_seq_len}]")
+
+    def check_backward(self, x: torch.Tensor, other: torch.Tensor) -> None:
+        B, T = x.shape[:2]
+        if self.is_last:
+            _expect(other.dtype == torch.int64 and tuple(other.shape) == (B, T), f"labels must be int64 {[B, T]}, "
+                    f"got {other.dtype} {list(other.shape)}")  # fmt: skip
+            _check_ids(other, self.cfg.vocab_size, "labels")
+        else:
+            _expect(
+                other.is_floating_point() and tuple(other.shape) == (B, T, self.cfg.d_model),
+                f"grad_outputs must be float {[B, T, self.cfg.d_model]}, got {other.dtype} {list(other.shape)}",
+            )
+            _check_finite(other, "grad_outputs")
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise WireError(message)
+
+
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    _expect(bool(torch.isfinite(x).all()), f"{name} contains NaN or inf")
+
+
+def _check_ids(x: torch.Tensor, vocab: int, name: str) -> None:
+    _expect(x.numel() == 0 or (int(x.min()) >= 0 and int(x.max()) < vocab), f"{name} must be token ids in [0, {vocab})")
+
+
+async def _parse_frames(raw_frames: AsyncIterator[bytes]) -> AsyncIterator[pb.Frame]:
+    async for raw in raw_frames:
+        try:
+            yield pb.Frame.FromString(raw)
+        except DecodeError as e:
+            raise WireError(f"malformed frame: {e}") from e
+
+
+class StageService:
+    def __init__(self, worker: StageWorker, schema: StageSchema):
+        self.worker, self.schema = worker, schema
+        self.requests_rejected = 0
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        stream = dict(request_deserializer=None, response_serializer=pb.Frame.SerializeToString)  # parse ourselves
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Forward": grpc.stream_stream_rpc_method_handler(self.forward, **stream),
+            "Backward": grpc.stream_stream_rpc_method_handler(self.backward, **stream),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                self.info, request_deserializer=pb.InfoRequest.FromString,
+                response_serializer=pb.InfoReply.SerializeToString,
+            ),
+        })  # fmt: skip
+
+    async def forward(self, raw_frames, context: grpc.aio.ServicerContext):
+        async for frame in self._serve(raw_frames, context, backward=False):
+            yield frame
+
+    async def backward(self, raw_frames, context: grpc.aio.ServicerContext):
+        async for frame in self._serve(raw_frames, context, backward=True):
+            yield frame
+
+    async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
+        w = self.worker
+        return pb.InfoReply(
+            protocol_version=PROTOCOL_VERSION, stage=self.schema.stage, n_stages=self.schema.cfg.n_stages,
+            param_version=w.param_version, queue_length=w.queue_length, throughput=w.throughput,
+            model_config_json=json.dumps(dataclasses.asdict(self.schema.cfg)), samples_processed=w.samples_processed,
+        )  # fmt: skip
+
+    async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        try:
+            limits = self.schema.backward_limits if backward else self.schema.forward_limits
+            call = await read_call(_parse_frames(raw_frames), limits)
+            reply = await self.worker.submit(lambda: self._compute(call, backward), deadline)
+        except WireError as e:
+            self.requests_rejected += 1
+            logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DeadlineExpired:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
+        for frame in reply:
+            yield frame
+
+    def _compute(self, call: Call, backward: bool) -> list[pb.Frame]:
+        """Compute thread: decode, validate, run, encode. Raises WireError before touching the model on bad input."""
+        meta, device, schema = call.meta, self.worker.device, self.schema
+        _expect(meta.stage == schema.stage, f"this server serves stage {schema.stage}, the call is for {meta.stage}")
+        _expect(meta.reply_codec in CODECS_BY_WIRE, f"unknown reply codec {meta.reply_codec}")
+        _expect("inputs" in call.tensors, "missing tensor 'inputs'")
+        inputs = decode_tensor(call.tensors["inputs"], device)
+        schema.check_inputs(inputs)
+        if not schema.is_first:
+            inputs = inputs.float()
+        codec = CODECS_BY_WIRE[meta.reply_codec]
+        reply_meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=meta.microbatch_id, stage=schema.stage)
+        if not backward:
+            outputs = self.worker.forward(inputs)
+            tensors = [encode_tensor("outputs", outputs, codec)]
+        else:
+            other_name = "labels" if schema.is_last else "grad_outputs"
+            _expect(other_name in call.tensors, f"missing tensor {other_name!r}")
+            other = decode_tensor(call.tensors[other_name], device)
+            schema.check_backward(inputs, other)
+            if schema.is_last:
+                result = self.worker.backward(inputs, labels=other)
+                reply_meta.loss, reply_meta.has_loss = result.loss, True
+            else:
+                result = self.worker.backward(inputs, grad_outputs=other.float())
+            tensors = [] if result.grad_inputs is None else [encode_tensor("grad_inputs", result.grad_inputs, codec)]
+        reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length
+        return list(iter_frames(reply_meta, tensors))

@@ -1,0 +1,60 @@
+"""Command lines generated from config dataclasses, so every default lives in exactly one place (the dataclass)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any, TypeVar
+
+from swarm.config import PRESETS, ModelConfig, model_config
+
+T = TypeVar("T")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, suppress_defaults: bool = False) -> None:
+    """One flag per field; help text from `field(metadata={"help": ...})`. `suppress_defaults`: flags not given are
+    absent from the namespace (used for overrides on top of a preset)."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        typ = hints[f.name]
+        default = argparse.SUPPRESS if suppress_defaults else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        )  # fmt: skip
+        kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
+        if typ is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(typ) in (list, tuple):
+            kwargs.update(nargs="*", type=typing.get_args(typ)[0])
+        elif typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            inner = [a for a in typing.get_args(typ) if a is not type(None)][0]
+            kwargs["type"] = inner
+        else:
+            kwargs["type"] = typ
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if not suppress_defaults and kwargs["help"] is not None and default is not None:
+            kwargs["help"] += f" (default: {default})"
+        group.add_argument(_flag(f.name), **kwargs)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    names = {f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli") is not False}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="local_debug", choices=sorted(PRESETS), help="model preset (default: local_debug)")
+    add_config_args(parser, ModelConfig, suppress_defaults=True)
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(args, f.name)}
+    return model_config(args.preset, **overrides)

@@ -1,0 +1,244 @@
+"""`swarm-local`: a whole swarm on this machine. One DHT node, S stages x R servers and T trainers, each a separate
+OS process in its own process group on 127.0.0.1; a live progress line; a JSON summary; nothing left behind.
+
+Every child runs in a new session (its own process group) because hivemind's DHT forks a child and a p2pd daemon that
+outlive a killed parent: stopping a peer means signalling its whole group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.cli import add_config_args, config_from_args
+from swarm.compression import CODECS
+from swarm.config import PRESETS
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(kw_only=True)
+class LocalConfig:
+    stages: int = field(default=3, metadata={"help": "pipeline stages"})
+    servers_per_stage: int = field(default=2, metadata={"help": "servers per stage"})
+    trainers: int = field(default=2, metadata={"help": "trainer processes"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches in all (0: no limit)"})
+    duration: float = field(default=120.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
+    summary_json: str | None = field(default=None, metadata={"help": "write the run's summary here"})
+    preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
+    codec: str = field(default="blockwise8", metadata={"help": "wire codec", "choices": sorted(CODECS)})
+    batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
+    in_flight: int = field(default=3, metadata={"help": "microbatches in flight per trainer"})
+    samples_per_step: int = field(default=32, metadata={"help": "samples a server accumulates per optimizer step"})
+    lr: float = field(default=2e-3, metadata={"help": "servers' learning rate"})
+    log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
+    swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
+
+    def __post_init__(self) -> None:
+        if min(self.stages, self.servers_per_stage, self.trainers) < 1:
+            raise ValueError("--stages, --servers-per-stage and --trainers must be >= 1")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # pgid == pid: started with start_new_session
+
+
+class LocalSwarm:
+    """Starts and stops the processes of a local swarm. Use as a context manager: exit stops every process group."""
+
+    def __init__(self, log_dir: Path, swarm_name: str = "local", model_args: list[str] | None = None):
+        self.log_dir, self.swarm_name = log_dir, swarm_name
+        self.model_args = model_args or []
+        self.children: dict[str, Child] = {}
+        self.initial_peers: list[str] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, module: str, args: list[str]) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        self.children[name] = child = Child(name, proc, log_path)
+        return child
+
+    def start_dht(self, timeout: float = 60.0) -> list[str]:
+        maddr_file = self.log_dir / "dht.maddr"
+        child = self.spawn("dht", "dht.main", ["--host", "127.0.0.1", "--port", "0", "--maddr-file", str(maddr_file)])
+        deadline = time.monotonic() + timeout
+        while not maddr_file.exists():
+            if not child.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the DHT node did not start; see {child.log_path}:\n{self.tail(child)}")
+            time.sleep(0.1)
+        self.initial_peers = maddr_file.read_text().split()
+        return self.initial_peers
+
+    def _common(self) -> list[str]:
+        return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
+
+    def start_server(self, name: str, stage: int | str, extra: list[str] = ()) -> Child:
+        args = ["--stage", str(stage), "--host", "127.0.0.1", "--announce-period", "2", "--record-ttl", "8",
+                "--torch-threads", "1", *self._common(), *extra]  # fmt: skip
+        return self.spawn(name, "server.main", args)
+
+    def start_trainer(self, name: str, extra: list[str] = ()) -> Child:
+        stats = self.log_dir / f"{name}.json"
+        return self.spawn(name, "trainer.main", ["--stats-file", str(stats), "--log-period", "10", *self._common(), *extra])
+
+    def trainer_stats(self) -> list[dict]:
+        out = []
+        for name in self.children:
+            path = self.log_dir / f"{name}.json"
+            if name.startswith("trainer") and path.exists():
+                with contextlib.suppress(ValueError, OSError):
+                    out.append(json.loads(path.read_text()))
+        return out
+
+    def stop(self, names: list[str], grace: float = 15.0) -> None:
+        """SIGTERM each group, wait up to `grace`, then SIGKILL what is left of the groups (orphans included)."""
+        children = [self.children[n] for n in names if n in self.children]
+        for child in children:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            child.signal_group(signal.SIGKILL)  # sweeps p2pd and DHT children left in the group
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=5)
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        order = [n for n in self.children if n.startswith("trainer")]
+        order += [n for n in self.children if n.startswith("server")]
+        self.stop(order, grace)
+        self.stop([n for n in self.children if n not in order], grace)
+
+    @staticmethod
+    def tail(child: Child, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+def aggregate(stats: list[dict], elapsed: float) -> dict:
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in stats if s.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "steps": sum(s["steps"] for s in stats),
+        "samples": sum(s["samples"] for s in stats),
+        "initial_loss": mean("initial_loss"),
+        "final_loss": mean("recent_loss"),
+        "samples_per_second": sum(s["samples_per_second"] for s in stats),
+        "wire_bytes": sum(s["wire_bytes"] for s in stats),
+        "fp32_bytes": sum(s["fp32_bytes"] for s in stats),
+        "lost_microbatches": sum(s["lost_microbatches"] for s in stats),
+        "retries": sum(s["retries"] for s in stats),
+        "peers_per_stage": [max(col) for col in zip(*(s["peers_per_stage"] for s in stats))] if stats else [],
+        "training_seconds": elapsed,
+    }
+
+
+def progress_line(agg: dict) -> str:
+    loss = f"{agg['final_loss']:.3f}" if agg["final_loss"] is not None else "-"
+    ratio = agg["fp32_bytes"] / agg["wire_bytes"] if agg["wire_bytes"] else 0.0
+    return (f"[{agg['training_seconds']:6.0f}s] step {agg['steps']:5d} | loss {loss} | {agg['samples_per_second']:5.1f} "
+            f"samples/s | peers/stage {'/'.join(map(str, agg['peers_per_stage'])) or '-'} | wire "
+            f"{agg['wire_bytes'] / 1e6:7.1f} MB ({ratio:.2f}x < fp32) | lost {agg['lost_microbatches']}")  # fmt: skip
+
+
+def run(cfg: LocalConfig, stop: threading.Event) -> dict:
+    log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
+    model_args = ["--preset", cfg.preset, "--n-stages", str(cfg.stages)]
+    tty = sys.stdout.isatty()
+    print(f"swarm-local: {cfg.stages} stages x {cfg.servers_per_stage} servers, {cfg.trainers} trainers; logs in "
+          f"{log_dir}", flush=True)  # fmt: skip
+    with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
+        swarm.start_dht()
+        server_args = ["--samples-per-step", str(cfg.samples_per_step), "--lr", str(cfg.lr)]
+        for stage in range(cfg.stages):
+            for r in range(cfg.servers_per_stage):
+                swarm.start_server(f"server-s{stage}-r{r}", stage, server_args)
+        trainer_args = ["--batch-size", str(cfg.batch_size), "--in-flight", str(cfg.in_flight), "--codec", cfg.codec]
+        for t in range(cfg.trainers):
+            swarm.start_trainer(f"trainer-{t}", [*trainer_args, "--data-seed", str(t)])
+        started, last_print, agg = time.monotonic(), 0.0, aggregate([], 0.0)
+        reported_dead: set[str] = set()
+        while not stop.wait(1.0):
+            elapsed = time.monotonic() - started
+            agg = aggregate(swarm.trainer_stats(), elapsed)
+            for child in swarm.children.values():
+                if not child.alive() and child.name not in reported_dead:
+                    reported_dead.add(child.name)
+                    print(f"\n{child.name} exited with {child.proc.returncode}:\n{swarm.tail(child)}", flush=True)
+            if all(not c.alive() for n, c in swarm.children.items() if n.startswith("trainer")):
+                break
+            if tty:
+                print("\r" + progress_line(agg), end="", flush=True)
+            elif elapsed - last_print >= 5:
+                last_print = elapsed
+                print(progress_line(agg), flush=True)
+            if (0 < cfg.max_steps <= agg["steps"]) or (0 < cfg.duration <= elapsed):
+                break
+        swarm.stop([n for n in swarm.children if n.startswith("trainer")])  # trainers write their final stats
+        agg = aggregate(swarm.trainer_stats(), time.monotonic() - started)
+    print(("\n" if tty else "") + progress_line(agg), flush=True)
+    summary = {**agg, "config": {k: v for k, v in vars(cfg).items()}, "log_dir": str(log_dir)}
+    if cfg.summary_json:
+        Path(cfg.summary_json).write_text(json.dumps(summary, indent=2))
+    if agg["initial_loss"] and agg["final_loss"]:
+        print(f"loss {agg['initial_loss']:.3f} -> {agg['final_loss']:.3f} "
+              f"({agg['final_loss'] / agg['initial_loss']:.0%} of initial) in {agg['steps']} microbatches", flush=True)  # fmt: skip
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="swarm-local", description=__doc__.split("\n\n")[0])
+    add_config_args(parser, LocalConfig)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(LocalConfig, args)
+    except ValueError as e:
+        parser.error(str(e))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run(cfg, stop)
+
+
+if __name__ == "__main__":
+    main()

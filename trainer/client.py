@@ -1,0 +1,70 @@
+"""Calls to stage servers: one grpc.aio channel per address, codec work off the event loop, replies validated."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from swarm import wire_pb2 as pb
+from swarm.compression import Codec
+from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE, Limits, WireError, WireStats, decode_tensor, encode_tensor, iter_frames, read_call
+
+TRAFFIC_CLASS = {"inputs": "activations", "outputs": "activations", "grad_outputs": "gradients",
+                 "grad_inputs": "gradients", "labels": "tokens"}  # fmt: skip
+
+
+@dataclass
+class StageReply:
+    tensor: torch.Tensor | None  # outputs (Forward) or grad_inputs (Backward; None from stage 0)
+    loss: float | None
+    param_version: int
+
+
+class StageClient:
+    def __init__(self, codec: Codec, stats: WireStats, max_tensor_bytes: int):
+        self.codec, self.stats = codec, stats
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
+        self.reply_limits = Limits(max_tensor_bytes, frozenset({"outputs", "grad_inputs"}))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        return self.channels[address]
+
+    async def call(
+        self, address: str, method: str, stage: int, microbatch_id: str, tensors: dict[str, torch.Tensor],
+        expect_shape: tuple[int, ...] | None, timeout: float,
+    ) -> StageReply:  # fmt: skip
+        """`method` is "Forward" or "Backward". Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
+        loop = asyncio.get_running_loop()
+        encoded = await loop.run_in_executor(self.pool, lambda: [encode_tensor(k, v, self.codec) for k, v in tensors.items()])
+        for enc in encoded:
+            self.stats.add(TRAFFIC_CLASS[enc.header.name], enc)
+        meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
+                           reply_codec=self.codec.wire)  # fmt: skip
+        rpc = self._channel(address).stream_stream(
+            f"/{SERVICE}/{method}", request_serializer=pb.Frame.SerializeToString, response_deserializer=pb.Frame.FromString
+        )
+        call = rpc(iter_frames(meta, encoded), timeout=timeout)
+        reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
+        tensor = None
+        if reply.tensors:
+            (enc,) = reply.tensors.values()
+            self.stats.add(TRAFFIC_CLASS[enc.header.name], enc)
+            tensor = await loop.run_in_executor(self.pool, decode_tensor, enc, torch.device("cpu"))
+            if expect_shape is not None and tuple(tensor.shape) != expect_shape:
+                raise WireError(f"stage {stage} replied with shape {list(tensor.shape)}, expected {list(expect_shape)}")
+            if not torch.isfinite(tensor).all():
+                raise WireError(f"stage {stage} replied with NaN or inf")
+        loss = reply.meta.loss if reply.meta.has_loss else None
+        return StageReply(tensor=tensor, loss=loss, param_version=reply.meta.param_version)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,34 @@
+"""Trainer configuration; `swarm-trainer`'s flags are generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarm.compression import CODECS
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
+    initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
+    data: str | None = field(default=None, metadata={"help": "text file or folder (default: Python's stdlib source)"})
+    batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
+    in_flight: int = field(default=4, metadata={"help": "microbatches in the pipeline at once"})
+    codec: str = field(default="blockwise8", metadata={"help": "wire codec, all four directions", "choices": sorted(CODECS)})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches (0: no limit)"})
+    duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: no limit)"})
+    data_seed: int = field(default=0, metadata={"help": "seed of the data order"})
+    request_timeout: float = field(default=60.0, metadata={"help": "deadline of one stage call, seconds"})
+    max_retries: int = field(default=8, metadata={"help": "tries of one stage call on different peers"})
+    discovery_period: float = field(default=2.0, metadata={"help": "seconds between DHT lookups of stage peers"})
+    log_period: float = field(default=5.0, metadata={"help": "seconds between progress lines"})
+    stats_file: str | None = field(default=None, metadata={"help": "keep a JSON snapshot of progress here"})
+    dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.in_flight < 1 or self.max_retries < 1:
+            raise ValueError("--batch-size, --in-flight and --max-retries must be >= 1")
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown --codec {self.codec!r}; choose one of {sorted(CODECS)}")
+        if self.request_timeout <= 0 or self.discovery_period <= 0:
+            raise ValueError("--request-timeout and --discovery-period must be > 0")

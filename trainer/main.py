@@ -1,0 +1,55 @@
+"""`swarm-trainer`: feeds microbatches through the swarm. Holds no parameters and needs no GPU."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import torch
+import uvloop
+
+from dht.node import SwarmDHT, start_dht
+from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
+from swarm.config import ModelConfig
+from trainer.config import TrainerConfig
+from trainer.data import load_corpus, microbatches
+from trainer.trainer import Trainer
+
+logger = logging.getLogger("swarm.trainer")
+
+
+async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> dict:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    corpus = load_corpus(cfg.data)
+    logger.info("corpus: %.1f MB from %s", len(corpus) / 1e6, cfg.data or "the Python standard library")
+    data = microbatches(corpus, cfg.batch_size, model_cfg.max_seq_len, seed=cfg.data_seed)
+    return await Trainer(cfg, model_cfg, sdht, data).run(stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="swarm-trainer", description=__doc__)
+    add_config_args(parser, TrainerConfig)
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg, model_cfg = config_from_args(TrainerConfig, args), model_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # the trainer only slices data and runs codecs
+    sdht = SwarmDHT(start_dht(cfg.initial_peers, port=cfg.dht_port, client_mode=True), cfg.swarm_name)
+    try:
+        final = uvloop.run(_main(cfg, model_cfg, sdht))
+        logger.info("done: %d microbatches, %d lost, %d retries", final["steps"], final["lost_microbatches"],
+                    final["retries"])  # fmt: skip
+    finally:
+        sdht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The trainer's loop: microbatches forward through every stage, loss at the last, gradients back in reverse.
+
+Each stage call goes to the peer the stage's IWRR router picks. A failed or timed-out call bans that peer (until it
+re-announces) and is retried on another peer of the same stage; a stage with no live peer makes the microbatch wait,
+with a message, until discovery finds one. Several microbatches are in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from dht.node import SwarmDHT
+from dht.records import ServerRecord
+from swarm.compression import get_codec
+from swarm.config import ModelConfig
+from swarm.wire import WireError, WireStats
+from trainer.client import StageClient
+from trainer.config import TrainerConfig
+from trainer.routing import StageRouter
+
+logger = logging.getLogger("swarm.trainer")
+LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
+INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
+
+
+class MicrobatchLost(Exception):
+    """A stage call failed on `max_retries` peers."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT,
+                 data: Iterator[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+        self.cfg, self.model_cfg, self.sdht, self.data = cfg, model_cfg, sdht, data
+        self.n_stages = model_cfg.n_stages
+        self.routers = [StageRouter() for _ in range(self.n_stages)]
+        self.records: list[dict[str, ServerRecord]] = [{} for _ in range(self.n_stages)]
+        self.versions = [0] * self.n_stages
+        self.stats = WireStats()
+        max_tensor_bytes = cfg.batch_size * model_cfg.max_seq_len * max(model_cfg.d_model, model_cfg.vocab_size) * 4
+        self.client = StageClient(get_codec(cfg.codec), self.stats, max_tensor_bytes)
+        self.peers_changed = asyncio.Event()
+        self.steps = self.samples = self.lost = self.retries = 0
+        self.losses: list[float] = []
+        self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
+        self.started = time.monotonic()
+        self._ids = itertools.count()
+
+    async def run(self, stop: asyncio.Event) -> dict:
+        """Train until `stop`, `max_steps` or `duration`. Returns the final stats."""
+        background = [asyncio.create_task(self._discover_forever()), asyncio.create_task(self._report_forever())]
+        try:
+            workers = [asyncio.create_task(self._work(stop)) for _ in range(self.cfg.in_flight)]
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stopper, *workers], return_when=asyncio.FIRST_COMPLETED)
+            stop.set()
+            await asyncio.gather(*workers, return_exceptions=True)
+            stopper.cancel()
+            for task in done:
+                if task is not stopper and task.exception():
+                    raise task.exception()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.client.close()
+            self._write_stats()
+        return self.snapshot()
+
+    def _done(self, stop: asyncio.Event) -> bool:
+        elapsed = time.monotonic() - self.started
+        return (stop.is_set() or (0 < self.cfg.max_steps <= self.steps)
+                or (0 < self.cfg.duration <= elapsed))  # fmt: skip
+
+    async def _work(self, stop: asyncio.Event) -> None:
+        while not self._done(stop):
+            tokens, labels = next(self.data)
+            mb_id = f"{self.sdht.peer_id[-8:]}-{next(self._ids)}"
+            try:
+                loss = await self.train_microbatch(mb_id, tokens, labels)
+            except MicrobatchLost as e:
+                self.lost += 1
+                logger.error("microbatch %s lost: %s", mb_id, e)
+                continue
+            self.steps += 1
+            self.samples += tokens.shape[0]
+            self.losses.append(loss)
+            self.recent.append(loss)
+        stop.set()
+
+    async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        B, T = tokens.shape
+        hidden_shape = (B, T, self.model_cfg.d_model)
+        acts = [tokens]
+        for s in range(self.n_stages - 1):
+            acts.append((await self._call(s, "Forward", mb_id, {"inputs": acts[-1]}, hidden_shape)).tensor)
+        last = self.n_stages - 1
+        reply = await self._call(last, "Backward", mb_id, {"inputs": acts[-1], "labels": labels}, acts[-1].shape)
+        loss, grad = reply.loss, reply.tensor
+        for s in reversed(range(last)):
+            expect = None if s == 0 else tuple(acts[s].shape)
+            grad = (await self._call(s, "Backward", mb_id, {"inputs": acts[s], "grad_outputs": grad}, expect)).tensor
+        if loss is None or not math.isfinite(loss):
+            raise MicrobatchLost(f"last stage returned loss {loss}")
+        return loss
+
+    async def _call(self, stage: int, method: str, mb_id: str, tensors: dict, expect_shape) -> object:
+        router, tried, last_error, attempts = self.routers[stage], set(), None, 0
+        n = next(iter(tensors.values())).shape[0]
+        waiting = False
+        while attempts < self.cfg.max_retries:
+            peer_id = router.choose(n, exclude=tried)
+            if peer_id is None and router.available:
+                tried.clear()  # every live peer failed once: try them again (attempts still bound the total)
+                continue
+            if peer_id is None:  # waiting for a peer costs no attempt: the stage may be refilled
+                if not waiting:
+                    waiting = True
+                    logger.warning("stage %d has no live peer; microbatch %s waits for one to announce itself", stage, mb_id)
+                self.peers_changed.clear()
+                try:
+                    await asyncio.wait_for(self.peers_changed.wait(), self.cfg.discovery_period)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            record = self.records[stage].get(peer_id)
+            if record is None:  # cannot happen while discovery updates both together; never spin on it
+                router.report_failure(peer_id)
+                continue
+            start = time.monotonic()
+            try:
+                reply = await self.client.call(record.address, method, stage, mb_id, tensors, expect_shape,
+                                               self.cfg.request_timeout)  # fmt: skip
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
+                timed_out = isinstance(e, asyncio.TimeoutError) or (
+                    isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+                router.report_failure(peer_id, timed_out=timed_out)
+                tried.add(peer_id)
+                attempts += 1
+                self.retries += 1
+                last_error = e
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                logger.warning("stage %d %s on %s failed (%s); retrying on another peer", stage, method,
+                               record.address, detail)  # fmt: skip
+                await asyncio.sleep(min(0.05 * 2**attempts, 2.0))
+                continue
+            router.report_success(peer_id, n, time.monotonic() - start)
+            self.versions[stage] = max(self.versions[stage], reply.param_version)
+            return reply
+        raise MicrobatchLost(f"stage {stage} {method} failed {attempts} times; last error: {last_error!r}")
+
+    async def _discover_forever(self) -> None:
+        while True:
+            for stage in range(self.n_stages):
+                try:
+                    entries = await self.sdht.discover(stage)
+                except Exception as e:
+                    logger.warning("discovery of stage %d failed: %r", stage, e)
+                    continue
+                self.records[stage] = {e.peer_id: e.record for e in entries}
+                self.routers[stage].update_peers({e.peer_id: e.expiration for e in entries})
+            self.peers_changed.set()
+            await asyncio.sleep(self.cfg.discovery_period)
+
+    async def _report_forever(self) -> None:
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            self._write_stats()
+            if time.monotonic() - last_log >= self.cfg.log_period:
+                last_log = time.monotonic()
+                s = self.snapshot()
+                logger.info("step %d | loss %.3f | %.1f samples/s | peers %s | versions %s | wire %.1f MB (%.2fx less "
+                            "than fp32) | lost %d", s["steps"], s["recent_loss"] or float("nan"), s["samples_per_second"],
+                            "/".join(map(str, s["peers_per_stage"])), "/".join(map(str, self.versions)),
+                            s["wire_bytes"] / 1e6, s["fp32_bytes"] / max(s["wire_bytes"], 1), s["lost_microbatches"])  # fmt: skip
+
+    def snapshot(self) -> dict:
+        elapsed = time.monotonic() - self.started
+        wire = self.stats.as_dict()
+        head = self.losses[:INITIAL_WINDOW]
+        return {
+            "steps": self.steps, "samples": self.samples, "elapsed_s": elapsed,
+            "samples_per_second": self.samples / elapsed if elapsed > 0 else 0.0,
+            "initial_loss": sum(head) / len(head) if head else None,
+            "recent_loss": sum(self.recent) / len(self.recent) if self.recent else None,
+            "lost_microbatches": self.lost, "retries": self.retries,
+            "peers_per_stage": [len(r.available) for r in self.routers], "param_versions": list(self.versions),
+            **wire,
+        }  # fmt: skip
+
+    def _write_stats(self) -> None:
+        if self.cfg.stats_file:
+            path = Path(self.cfg.stats_file)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.snapshot()))
+            tmp.replace(path)
