@@ -42,20 +42,26 @@ async def choose_stage(sdht: SwarmDHT, n_stages: int) -> int:
     return min(capacity)[2]
 
 
+async def start_grpc(service: StageService, host: str, port: int) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start the stage service and the standard health service; returns the bound port."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([service.handler()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, bound
+
+
 async def serve(cfg: ServerConfig, model_cfg: ModelConfig, sdht: SwarmDHT, stop: asyncio.Event) -> None:
     stage_index = await choose_stage(sdht, model_cfg.n_stages) if cfg.stage == "auto" else int(cfg.stage)
     device = resolve_device(cfg.device)
     worker = StageWorker(Stage(model_cfg, stage_index), cfg, device)
     service = StageService(worker, StageSchema(model_cfg, stage_index, cfg.max_batch_size))
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers([service.handler()])
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server, health_servicer, port = await start_grpc(service, cfg.host, cfg.port)
 
     def record() -> ServerRecord:
         return ServerRecord(

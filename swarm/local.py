@@ -128,10 +128,14 @@ class LocalSwarm:
         return out
 
     def stop(self, names: list[str], grace: float = 15.0) -> None:
-        """SIGTERM each group, wait up to `grace`, then SIGKILL what is left of the groups (orphans included)."""
+        """SIGTERM each peer, wait up to `grace`, then SIGKILL what is left of its group (orphans included).
+
+        Only the group leader gets SIGTERM: it shuts its DHT child and p2pd down in order, while a SIGTERM to the whole
+        group would kill them under its feet."""
         children = [self.children[n] for n in names if n in self.children]
         for child in children:
-            child.signal_group(signal.SIGTERM)
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,0 +1,40 @@
+"""Shared test helpers. Every process a test starts carries SWARM_TEST_MARKER in its environment (inherited by the
+DHT child and p2pd too), so a test can prove that nothing it started is still alive."""
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+def processes_with_marker(marker: str) -> list[tuple[int, str]]:
+    found = []
+    needle = f"SWARM_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def marker(monkeypatch):
+    """A unique marker set in this test's environment; asserts at teardown that no marked process survived."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv("SWARM_TEST_MARKER", value)
+    yield value
+    deadline = time.monotonic() + 15  # torch_shm_manager (hivemind's file_system sharing) exits on its own, shortly
+    while (leftovers := processes_with_marker(value)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid, _ in leftovers:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    assert not leftovers, f"processes outlived their test: {leftovers}"

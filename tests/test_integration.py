@@ -1,0 +1,95 @@
+"""Real swarms on 127.0.0.1: separate OS processes for the DHT, every server and every trainer."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.local import LocalSwarm
+from tests.conftest import processes_with_marker
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def trainer_stats(swarm: LocalSwarm) -> dict:
+    stats = swarm.trainer_stats()
+    return stats[0] if stats else {}
+
+
+@pytest.mark.timeout(420)
+def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
+    """The README's first command: with defaults on 2 cores, loss falls to <= 60% of initial within 5 minutes."""
+    summary_path = tmp_path / "summary.json"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "swarm.local", "--summary-json", str(summary_path), "--log-dir",
+                           str(tmp_path / "logs")], timeout=360, capture_output=True, text=True)  # fmt: skip
+    wall = time.monotonic() - started
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    summary = json.loads(summary_path.read_text())
+    print(f"wall {wall:.0f}s: loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, "
+          f"{summary['samples_per_second']:.1f} samples/s, fp32/wire {summary['fp32_bytes'] / summary['wire_bytes']:.2f}")
+    for key in ("steps", "samples", "initial_loss", "final_loss", "samples_per_second", "wire_bytes", "fp32_bytes"):
+        assert key in summary
+    assert wall < 300
+    assert summary["final_loss"] <= 0.6 * summary["initial_loss"]
+    assert summary["lost_microbatches"] == 0
+    assert summary["fp32_bytes"] / summary["wire_bytes"] >= 3.5
+    assert not processes_with_marker(marker)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_a_server_loses_no_microbatch(tmp_path, marker):
+    model = ["--preset", "local_debug", "--n-stages", "3", "--d-model", "64", "--max-seq-len", "64"]
+    with LocalSwarm(tmp_path, "killtest", model) as swarm:
+        swarm.start_dht()
+        for stage in range(3):
+            for r in range(2):
+                swarm.start_server(f"server-s{stage}-r{r}", stage, ["--samples-per-step", "16"])
+        swarm.start_trainer("trainer-0", ["--batch-size", "4", "--in-flight", "4", "--request-timeout", "20"])
+        wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= 20, 150, "20 microbatches")
+        victim = swarm.children["server-s1-r0"]
+        victim.signal_group(signal.SIGKILL)  # the machine vanishes: server, its DHT child and p2pd at once
+        victim.proc.wait(10)
+        steps_at_kill = trainer_stats(swarm)["steps"]
+        wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= steps_at_kill + 40, 120, "40 more microbatches")
+        swarm.stop(["trainer-0"])
+        final = trainer_stats(swarm)
+        print(json.dumps({k: final[k] for k in ("steps", "lost_microbatches", "retries", "peers_per_stage")}))
+        assert final["lost_microbatches"] == 0
+        assert final["peers_per_stage"][1] == 1, "the killed peer must be banned or expired"
+        log = (tmp_path / "trainer-0.log").read_text()
+        assert "Traceback" not in log
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_stops_every_process(tmp_path, marker):
+    proc = subprocess.Popen([sys.executable, "-m", "swarm.local", "--duration", "0", "--stages", "2",
+                             "--servers-per-stage", "1", "--trainers", "1", "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        stats_file = tmp_path / "trainer-0.json"
+        wait_for(lambda: stats_file.exists() and json.loads(stats_file.read_text())["steps"] > 0, 120, "training")
+        assert len(processes_with_marker(marker)) >= 5  # launcher, dht, server, trainer and their DHT children
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    wait_for(lambda: not processes_with_marker(marker), 10, "every process to exit")
