@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 import hivemind
+import torch
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerEntry, ServerRecord, stage_key
@@ -26,6 +27,9 @@ def start_dht(
     identity_path: str | None = None,
 ) -> hivemind.DHT:
     """Blocking (about a second): call it before the event loop starts, or in an executor."""
+    # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
+    # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],

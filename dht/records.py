@@ -49,7 +49,7 @@ class ServerRecord:
             isinstance(rec.host, str) and 0 < len(rec.host) <= 255,
             isinstance(rec.port, int) and 0 < rec.port < 65536,
             isinstance(rec.stage, int) and rec.stage >= 0,
-            isinstance(rec.throughput, (int, float)) and rec.throughput >= 0,
+            isinstance(rec.throughput, int | float) and rec.throughput >= 0,
             isinstance(rec.queue_length, int) and rec.queue_length >= 0,
             isinstance(rec.param_version, int) and rec.param_version >= 0,
             isinstance(rec.online, bool),

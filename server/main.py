@@ -42,7 +42,9 @@ async def choose_stage(sdht: SwarmDHT, n_stages: int) -> int:
     return min(capacity)[2]
 
 
-async def start_grpc(service: StageService, host: str, port: int) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+async def start_grpc(
+    service: StageService, host: str, port: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start the stage service and the standard health service; returns the bound port."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers([service.handler()])
@@ -83,7 +85,7 @@ async def serve(cfg: ServerConfig, model_cfg: ModelConfig, sdht: SwarmDHT, stop:
                         service.requests_rejected)  # fmt: skip
             try:
                 await asyncio.wait_for(stop.wait(), cfg.announce_period)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         logger.info("stage %d: shutting down, draining up to %.0fs", stage_index, cfg.drain_timeout)

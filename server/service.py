@@ -6,8 +6,8 @@ against the stage's schema after decoding (this module), and a bad request ends 
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +20,17 @@ from server.worker import DeadlineExpired, StageWorker
 from swarm import wire_pb2 as pb
 from swarm.compression import CODECS_BY_WIRE
 from swarm.config import ModelConfig
-from swarm.wire import PROTOCOL_VERSION, SERVICE, Call, Limits, WireError, decode_tensor, encode_tensor, iter_frames, read_call
+from swarm.wire import (
+    PROTOCOL_VERSION,
+    SERVICE,
+    Call,
+    Limits,
+    WireError,
+    decode_tensor,
+    encode_tensor,
+    iter_frames,
+    read_call,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +156,9 @@ class StageService:
         if not schema.is_first:
             inputs = inputs.float()
         codec = CODECS_BY_WIRE[meta.reply_codec]
-        reply_meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=meta.microbatch_id, stage=schema.stage)
+        reply_meta = pb.CallMeta(
+            protocol_version=PROTOCOL_VERSION, microbatch_id=meta.microbatch_id, stage=schema.stage
+        )
         if not backward:
             outputs = self.worker.forward(inputs)
             tensors = [encode_tensor("outputs", outputs, codec)]

@@ -51,7 +51,9 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="local_debug", choices=sorted(PRESETS), help="model preset (default: local_debug)")
+    parser.add_argument(
+        "--preset", default="local_debug", choices=sorted(PRESETS), help="model preset (default: local_debug)"
+    )
     add_config_args(parser, ModelConfig, suppress_defaults=True)
 
 

@@ -30,7 +30,9 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
-def bytes_to_tensor(payload: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def bytes_to_tensor(
+    payload: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     if len(payload) == 0:
         return torch.empty(shape, dtype=dtype)
     if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):

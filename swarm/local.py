@@ -116,7 +116,9 @@ class LocalSwarm:
 
     def start_trainer(self, name: str, extra: list[str] = ()) -> Child:
         stats = self.log_dir / f"{name}.json"
-        return self.spawn(name, "trainer.main", ["--stats-file", str(stats), "--log-period", "10", *self._common(), *extra])
+        return self.spawn(
+            name, "trainer.main", ["--stats-file", str(stats), "--log-period", "10", *self._common(), *extra]
+        )
 
     def trainer_stats(self) -> list[dict]:
         out = []
@@ -172,7 +174,9 @@ def aggregate(stats: list[dict], elapsed: float) -> dict:
         "fp32_bytes": sum(s["fp32_bytes"] for s in stats),
         "lost_microbatches": sum(s["lost_microbatches"] for s in stats),
         "retries": sum(s["retries"] for s in stats),
-        "peers_per_stage": [max(col) for col in zip(*(s["peers_per_stage"] for s in stats))] if stats else [],
+        "peers_per_stage": [max(col) for col in zip(*(s["peers_per_stage"] for s in stats), strict=False)]
+        if stats
+        else [],
         "training_seconds": elapsed,
     }
 

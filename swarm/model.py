@@ -38,7 +38,9 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
-        q, k, v = self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # (B, nh, T, hs)
+        q, k, v = (
+            self.qkv(x_BTD).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        )  # (B, nh, T, hs)
         cos, sin = rotary_tables(T, D // self.n_heads, x_BTD.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y_BHTS = F.scaled_dot_product_attention(q, k, v, is_causal=True)

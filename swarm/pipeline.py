@@ -48,7 +48,7 @@ def stage_backward(
         wrt = params + ([x] if x.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_outputs=out_grad, allow_unused=True)
     with torch.no_grad():
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=False):
             if g is None:
                 continue
             if p.grad is None:

@@ -114,7 +114,9 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
     def finish() -> None:
         if current is not None:
             if len(buf) != current.payload_bytes:
-                raise WireError(f"tensor {current.name!r}: got {len(buf)} payload bytes, header says {current.payload_bytes}")
+                raise WireError(
+                    f"tensor {current.name!r}: got {len(buf)} payload bytes, header says {current.payload_bytes}"
+                )
             call.tensors[current.name] = EncodedTensor(current, buf)
 
     async for frame in frames:
@@ -132,7 +134,9 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
             if current is None:
                 raise WireError("payload data before any tensor header")
             if len(buf) + len(frame.data) > current.payload_bytes:
-                raise WireError(f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes")
+                raise WireError(
+                    f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
+                )
             buf += frame.data
     if call is None:
         raise WireError("empty stream")

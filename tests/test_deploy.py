@@ -10,16 +10,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 import yaml
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pyproject allows 3.10, which has no tomllib
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"

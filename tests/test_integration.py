@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -42,8 +41,10 @@ def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
     summary = json.loads(summary_path.read_text())
-    print(f"wall {wall:.0f}s: loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"{summary['samples_per_second']:.1f} samples/s, fp32/wire {summary['fp32_bytes'] / summary['wire_bytes']:.2f}")
+    print(
+        f"wall {wall:.0f}s: loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f}, "
+        f"{summary['samples_per_second']:.1f} samples/s, fp32/wire {summary['fp32_bytes'] / summary['wire_bytes']:.2f}"
+    )
     for key in ("steps", "samples", "initial_loss", "final_loss", "samples_per_second", "wire_bytes", "fp32_bytes"):
         assert key in summary
     assert wall < 300

@@ -25,7 +25,7 @@ def pipeline_loss_and_grads(stages: list[Stage], tokens, labels) -> float:
         acts.append(stage_forward(stage, acts[-1]))
     result = stage_backward(stages[-1], acts[-1], labels=labels)
     grad = result.grad_inputs
-    for stage, inputs in zip(reversed(stages[:-1]), reversed(acts[:-1])):
+    for stage, inputs in zip(reversed(stages[:-1]), reversed(acts[:-1]), strict=False):
         grad = stage_backward(stage, inputs, grad_outputs=grad).grad_inputs
     assert grad is None  # stage 0 takes token ids
     return result.loss
@@ -47,8 +47,8 @@ def test_partitioned_stages_match_whole_model(share_layers, layers_per_stage):
     loss_pipe = pipeline_loss_and_grads(stages, tokens, labels)
 
     assert abs(loss_pipe - loss_whole.item()) / loss_whole.item() < RTOL
-    for stage, ref in zip(stages, whole.stages):
-        for (name, p), (_, p_ref) in zip(stage.named_parameters(), ref.named_parameters()):
+    for stage, ref in zip(stages, whole.stages, strict=False):
+        for (name, p), (_, p_ref) in zip(stage.named_parameters(), ref.named_parameters(), strict=False):
             assert torch.equal(p, p_ref), "same (seed, stage) must give the same initial parameters"
             assert relative_error(p.grad, p_ref.grad) < RTOL, name
 
@@ -61,7 +61,7 @@ def test_grad_weight_accumulates_weighted_sum():
     stage_backward(stage_a, h, labels=labels, grad_weight=3.0)
     for _ in range(3):
         stage_backward(stage_b, h, labels=labels)
-    for pa, pb in zip(stage_a.parameters(), stage_b.parameters()):
+    for pa, pb in zip(stage_a.parameters(), stage_b.parameters(), strict=False):
         assert relative_error(pa.grad, pb.grad) < RTOL
 
 

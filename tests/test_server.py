@@ -1,7 +1,6 @@
 """Real grpc.aio stage servers on 127.0.0.1 in this process (so their gradients can be inspected), driven by the
 trainer's own client: gradient parity with the single-process model, wire savings, and rejection of bad requests."""
 
-import asyncio
 import dataclasses
 
 import grpc
@@ -92,7 +91,11 @@ async def grads_through_grpc(cfg, codec: str):
         # servers accumulate sample-weighted sums (divided by the sample count at the step): one microbatch of B
         grads = [[p.grad / tokens.shape[0] for p in w.stage.parameters()] for w in stages.workers]
     loss_ref, model = reference(cfg, tokens, labels)
-    errors = [rel_err(g, p.grad) for gs, st in zip(grads, model.stages) for g, p in zip(gs, st.parameters())]
+    errors = [
+        rel_err(g, p.grad)
+        for gs, st in zip(grads, model.stages, strict=False)
+        for g, p in zip(gs, st.parameters(), strict=False)
+    ]
     return loss, loss_ref, errors, stats.as_dict()
 
 
@@ -108,8 +111,10 @@ async def test_grpc_blockwise8_gradients_close_and_bytes_saved():
     cfg = dataclasses.replace(tiny_test(), d_model=64, n_heads=4, d_ff=128, max_seq_len=64)
     loss, loss_ref, errors, wire = await grads_through_grpc(cfg, "blockwise8")
     median_err = sorted(errors)[len(errors) // 2]
-    print(f"\nblockwise8 in all four directions: loss {loss:.5f} vs {loss_ref:.5f}, relative gradient error median "
-          f"{median_err:.2e} max {max(errors):.2e}; bytes fp32/wire {wire['fp32_bytes'] / wire['wire_bytes']:.2f}")
+    print(
+        f"\nblockwise8 in all four directions: loss {loss:.5f} vs {loss_ref:.5f}, relative gradient error median "
+        f"{median_err:.2e} max {max(errors):.2e}; bytes fp32/wire {wire['fp32_bytes'] / wire['wire_bytes']:.2f}"
+    )
     assert abs(loss - loss_ref) / loss_ref < 1e-2
     assert median_err < 5e-2  # 8-bit dynamic quantisation of activations and their gradients: ~1e-2 expected
     float_classes = {k: v for k, v in wire["by_class"].items() if k != "tokens"}
@@ -187,4 +192,4 @@ async def test_server_steps_after_samples_per_step():
         assert [w.param_version for w in stages.workers] == [1] * cfg.n_stages
         after = list(stages.workers[0].stage.parameters())
         assert all(p.grad is None for p in after), "gradients are cleared after the step"
-        assert any(not torch.equal(a, b) for a, b in zip(after, before))
+        assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=False))

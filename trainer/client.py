@@ -11,7 +11,18 @@ import torch
 
 from swarm import wire_pb2 as pb
 from swarm.compression import Codec
-from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE, Limits, WireError, WireStats, decode_tensor, encode_tensor, iter_frames, read_call
+from swarm.wire import (
+    GRPC_OPTIONS,
+    PROTOCOL_VERSION,
+    SERVICE,
+    Limits,
+    WireError,
+    WireStats,
+    decode_tensor,
+    encode_tensor,
+    iter_frames,
+    read_call,
+)
 
 TRAFFIC_CLASS = {"inputs": "activations", "outputs": "activations", "grad_outputs": "gradients",
                  "grad_inputs": "gradients", "labels": "tokens"}  # fmt: skip
@@ -42,13 +53,17 @@ class StageClient:
     ) -> StageReply:  # fmt: skip
         """`method` is "Forward" or "Backward". Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
-        encoded = await loop.run_in_executor(self.pool, lambda: [encode_tensor(k, v, self.codec) for k, v in tensors.items()])
+        encoded = await loop.run_in_executor(
+            self.pool, lambda: [encode_tensor(k, v, self.codec) for k, v in tensors.items()]
+        )
         for enc in encoded:
             self.stats.add(TRAFFIC_CLASS[enc.header.name], enc)
         meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
                            reply_codec=self.codec.wire)  # fmt: skip
         rpc = self._channel(address).stream_stream(
-            f"/{SERVICE}/{method}", request_serializer=pb.Frame.SerializeToString, response_deserializer=pb.Frame.FromString
+            f"/{SERVICE}/{method}",
+            request_serializer=pb.Frame.SerializeToString,
+            response_deserializer=pb.Frame.FromString,
         )
         call = rpc(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)

@@ -14,7 +14,9 @@ class TrainerConfig:
     data: str | None = field(default=None, metadata={"help": "text file or folder (default: Python's stdlib source)"})
     batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=4, metadata={"help": "microbatches in the pipeline at once"})
-    codec: str = field(default="blockwise8", metadata={"help": "wire codec, all four directions", "choices": sorted(CODECS)})
+    codec: str = field(
+        default="blockwise8", metadata={"help": "wire codec, all four directions", "choices": sorted(CODECS)}
+    )
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches (0: no limit)"})
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: no limit)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the data order"})

@@ -42,7 +42,9 @@ def load_corpus(path: str | None = None, max_bytes: int = 32 << 20) -> torch.Ten
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def microbatches(corpus: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(
+    corpus: torch.Tensor, batch_size: int, seq_len: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (tokens, labels), each (batch_size, seq_len) int64, labels shifted by one byte. Seeded."""
     if len(corpus) <= seq_len + 1:
         raise ValueError(f"corpus ({len(corpus)} bytes) is shorter than a sequence ({seq_len + 1})")

@@ -126,11 +126,13 @@ class Trainer:
             if peer_id is None:  # waiting for a peer costs no attempt: the stage may be refilled
                 if not waiting:
                     waiting = True
-                    logger.warning("stage %d has no live peer; microbatch %s waits for one to announce itself", stage, mb_id)
+                    logger.warning(
+                        "stage %d has no live peer; microbatch %s waits for one to announce itself", stage, mb_id
+                    )
                 self.peers_changed.clear()
                 try:
                     await asyncio.wait_for(self.peers_changed.wait(), self.cfg.discovery_period)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             record = self.records[stage].get(peer_id)
@@ -141,7 +143,7 @@ class Trainer:
             try:
                 reply = await self.client.call(record.address, method, stage, mb_id, tensors, expect_shape,
                                                self.cfg.request_timeout)  # fmt: skip
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, WireError) as e:
+            except (TimeoutError, grpc.aio.AioRpcError, WireError) as e:
                 timed_out = isinstance(e, asyncio.TimeoutError) or (
                     isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 )
