@@ -16,6 +16,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from server.collab import LocalSteps, StageCollaboration
 from server.worker import DeadlineExpired, StageWorker
 from swarm import wire_pb2 as pb
 from swarm.compression import CODECS_BY_WIRE
@@ -33,6 +34,7 @@ from swarm.wire import (
 )
 
 logger = logging.getLogger(__name__)
+Collaboration = LocalSteps | StageCollaboration
 
 
 class StageSchema:
@@ -98,8 +100,8 @@ async def _parse_frames(raw_frames: AsyncIterator[bytes]) -> AsyncIterator[pb.Fr
 
 
 class StageService:
-    def __init__(self, worker: StageWorker, schema: StageSchema):
-        self.worker, self.schema = worker, schema
+    def __init__(self, worker: StageWorker, schema: StageSchema, collab: Collaboration):
+        self.worker, self.schema, self.collab = worker, schema, collab
         self.requests_rejected = 0
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -107,6 +109,10 @@ class StageService:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Forward": grpc.stream_stream_rpc_method_handler(self.forward, **stream),
             "Backward": grpc.stream_stream_rpc_method_handler(self.backward, **stream),
+            "Progress": grpc.unary_unary_rpc_method_handler(
+                self.progress, request_deserializer=pb.StageProgress.FromString,
+                response_serializer=pb.ProgressAck.SerializeToString,
+            ),
             "Info": grpc.unary_unary_rpc_method_handler(
                 self.info, request_deserializer=pb.InfoRequest.FromString,
                 response_serializer=pb.InfoReply.SerializeToString,
@@ -120,6 +126,14 @@ class StageService:
     async def backward(self, raw_frames, context: grpc.aio.ServicerContext):
         async for frame in self._serve(raw_frames, context, backward=True):
             yield frame
+
+    async def progress(self, msg: pb.StageProgress, context: grpc.aio.ServicerContext) -> pb.ProgressAck:
+        ok = (msg.protocol_version == PROTOCOL_VERSION and msg.stage == self.schema.stage and 0 < len(msg.peer_id) <= 128
+              and 0 <= msg.epoch < 2**62 and 0 <= msg.samples < 2**40 and len(msg.address) <= 300
+              and (not msg.address or msg.address.rpartition(":")[2].isdigit()))  # fmt: skip
+        if not ok or not hasattr(self.collab, "on_progress"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
+        return self.collab.on_progress(msg)
 
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         w = self.worker
@@ -136,6 +150,8 @@ class StageService:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
             call = await read_call(_parse_frames(raw_frames), limits)
             reply = await self.worker.submit(lambda: self._compute(call, backward), deadline)
+            if backward:
+                await self.collab.after_backward()  # publishes progress; may end the epoch (see server/collab.py)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)

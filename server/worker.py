@@ -1,14 +1,16 @@
 """The stage's compute: one thread owns the module and optimizer; the event loop only submits work to it.
 
 Requests run one at a time in arrival order, so a backward and an optimizer step never interleave. Gradients of each
-microbatch are weighted by its sample count; after `samples_per_step` samples the worker divides by the total, clips,
-steps and bumps `param_version`.
+microbatch are added to `.grad` weighted by its sample count; `take_gradients` turns the sum into a mean and starts a
+new accumulation, `apply_gradients` clips, steps and bumps `param_version`. When to do either is decided elsewhere
+(server/collab.py): alone, or after averaging with the stage's other peers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from server.config import ServerConfig
+from server.optim import build_optimizer, build_schedule
 from swarm.model import Stage
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 
@@ -30,7 +33,10 @@ class DeadlineExpired(Exception):
 class StageWorker:
     def __init__(self, stage: Stage, cfg: ServerConfig, device: torch.device):
         self.stage, self.cfg, self.device = stage.to(device).train(), cfg, device
-        self.optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optimizer, self.params, cfg.lr, cfg.weight_decay)
+        self.schedule = build_schedule(self.optimizer, cfg.warmup_steps, cfg.total_steps)
+        self.state_lock = threading.Lock()  # parameters and optimizer state change only under it
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage.index}-compute")
         self.queue_length = 0
         self.param_version = 0
@@ -66,20 +72,70 @@ class StageWorker:
             result = stage_backward(self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n)
         self.samples_processed += n
         self.samples_accumulated += n
-        if self.samples_accumulated >= self.cfg.samples_per_step:
-            self._step()
         return result
 
-    def _step(self) -> None:
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        for p in params:
-            p.grad.div_(self.samples_accumulated)
-        if self.cfg.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.clip_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    @torch.no_grad()
+    def take_gradients(self) -> tuple[list[torch.Tensor], int]:
+        """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh."""
+        n = self.samples_accumulated
+        grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            p.grad = None
         self.samples_accumulated = 0
-        self.param_version += 1
+        return grads, n
+
+    @torch.no_grad()
+    def apply_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Compute thread only. One optimizer step on `grads` (one per parameter, any device)."""
+        with self.state_lock:
+            saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
+            for p, g in zip(self.params, grads, strict=False):
+                p.grad = g.to(p.device, p.dtype)
+            if self.cfg.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad_norm)
+            self.optimizer.step()
+            self.schedule.step()
+            for p, g in zip(self.params, saved, strict=False):
+                p.grad = g
+            self.param_version += 1
+
+    def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
+        """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
+        with self.state_lock:
+            opt_state = self.optimizer.state_dict()
+            tensors = [p.detach().cpu().clone() for p in self.params]
+            slots = []  # (param index, key) of every tensor in the optimizer state, in a fixed order
+            scalars = {}
+            for idx in sorted(opt_state["state"]):
+                for key in sorted(opt_state["state"][idx]):
+                    value = opt_state["state"][idx][key]
+                    if isinstance(value, torch.Tensor):
+                        slots.append([idx, key])
+                        tensors.append(value.detach().cpu().clone())
+                    else:
+                        scalars[f"{idx}/{key}"] = value
+            meta = {"param_version": self.param_version, "n_params": len(self.params), "slots": slots,
+                    "scalars": scalars, "param_groups": opt_state["param_groups"],
+                    "schedule": self.schedule.state_dict()}  # fmt: skip
+        return meta, tensors
+
+    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Compute thread (or before serving). Inverse of `state_tensors`; raises ValueError on a mismatch."""
+        n = meta["n_params"]
+        if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
+            raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
+        state: dict = {}
+        for (idx, key), t in zip(meta["slots"], tensors[n:], strict=False):
+            state.setdefault(int(idx), {})[key] = t
+        for name, value in meta["scalars"].items():
+            idx, key = name.split("/", 1)
+            state.setdefault(int(idx), {})[key] = value
+        with self.state_lock, torch.no_grad():
+            for p, t in zip(self.params, tensors[:n], strict=False):
+                p.copy_(t)
+            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            self.schedule.load_state_dict(meta["schedule"])
+            self.param_version = int(meta["param_version"])
 
     @contextlib.contextmanager
     def _timed(self, kind: str, n_samples: int) -> Iterator[None]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from server.collab import LocalSteps
 from server.config import ServerConfig
 from server.main import start_grpc
 from server.service import StageSchema, StageService
@@ -34,7 +35,8 @@ class LocalStages:
         self.cfg = cfg
         server_cfg = ServerConfig(samples_per_step=samples_per_step, max_batch_size=max_batch)
         self.workers = [StageWorker(Stage(cfg, i), server_cfg, CPU) for i in range(cfg.n_stages)]
-        self.services = [StageService(w, StageSchema(cfg, i, max_batch)) for i, w in enumerate(self.workers)]
+        self.services = [StageService(w, StageSchema(cfg, i, max_batch), LocalSteps(w, samples_per_step))
+                         for i, w in enumerate(self.workers)]  # fmt: skip
 
     async def __aenter__(self):
         self.servers, self.addresses = [], []

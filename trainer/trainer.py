@@ -55,6 +55,7 @@ class Trainer:
         self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.started = time.monotonic()
         self._ids = itertools.count()
+        self._loss_log = open(cfg.loss_log, "a") if cfg.loss_log else None  # noqa: SIM115 (closed in run)
 
     async def run(self, stop: asyncio.Event) -> dict:
         """Train until `stop`, `max_steps` or `duration`. Returns the final stats."""
@@ -75,6 +76,8 @@ class Trainer:
             await asyncio.gather(*background, return_exceptions=True)
             await self.client.close()
             self._write_stats()
+            if self._loss_log is not None:
+                self._loss_log.close()
         return self.snapshot()
 
     def _done(self, stop: asyncio.Event) -> bool:
@@ -95,6 +98,9 @@ class Trainer:
             self.steps += 1
             self.samples += tokens.shape[0]
             self.losses.append(loss)
+            if self._loss_log is not None:
+                self._loss_log.write(json.dumps({"step": self.steps, "loss": loss, "versions": self.versions}) + "\n")
+                self._loss_log.flush()
             self.recent.append(loss)
         stop.set()
 

@@ -1,0 +1,340 @@
+"""Training semantics of a stage: when to step, with whom to average, and how a joiner catches up.
+
+The peers of a stage accumulate gradients until *together* they have processed the global batch
+(`--samples-per-step`), average them with compressed all-reduce (hivemind's DecentralizedAverager), and step together,
+so the swarm trains one model per stage rather than one per peer. Progress is exact rather than estimated: after each
+backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC; the DHT
+tells who they are), so a trainer that waits for its replies sees epochs end exactly at the global batch. The peer
+whose count completes the batch tells the others to join the all-reduce; peers that received nothing this epoch take
+part with weight 0.
+
+Synchronous mode averages and steps on the compute thread: requests queue (the event loop, Info and health stay live)
+for the few hundred milliseconds of an all-reduce. `--delay-optimizer-step` instead averages in the background while
+the stage keeps computing with the previous parameters (delayed parameter updates), and applies the step when ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression
+from hivemind.utils import get_dht_time
+
+from dht.node import SwarmDHT
+from server.config import ServerConfig
+from server.worker import StageWorker
+from swarm import wire_pb2 as pb
+from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE
+
+logger = logging.getLogger(__name__)
+
+ALLREDUCE_COMPRESSION: dict[str, CompressionBase] = {
+    "none": NoCompression(), "fp16": Float16Compression(), "blockwise8": BlockwiseQuantization(),
+}  # fmt: skip
+BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "blockwise8": 1.0 + 4 / 4096}
+
+
+class LocalSteps:
+    """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
+
+    def __init__(self, worker: StageWorker, target: int):
+        self.worker, self.target = worker, target
+        self.allreduce_bytes = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.worker.param_version
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.worker.param_version = value
+
+    async def join(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def after_backward(self) -> None:
+        if self.worker.samples_accumulated >= self.target:
+            await self.worker.submit(self._step)
+
+    def _step(self) -> None:
+        grads, _ = self.worker.take_gradients()
+        self.worker.apply_gradients(grads)
+
+
+class StageAverager(DecentralizedAverager):
+    """Averages a stage's gradients; serves the stage's parameters and optimizer state to peers that join."""
+
+    def __init__(self, worker: StageWorker, epoch_fn, **kwargs):
+        self._worker, self._epoch_fn = worker, epoch_fn  # before super().__init__: the state thread may ask at once
+        super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.params], **kwargs)
+
+    def get_current_state(self):
+        meta, tensors = self._worker.state_tensors()
+        return {**meta, "epoch": self._epoch_fn()}, tensors, None
+
+
+class StageCollaboration:
+    """Build on the main thread (hivemind's averager forks); then `await join()`, `await start()` before serving."""
+
+    def __init__(self, worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: ServerConfig):
+        self.worker, self.sdht, self.stage, self.cfg = worker, sdht, stage, cfg
+        self.epoch = 0  # global batches this peer has finished accumulating
+        self.averager = StageAverager(
+            worker, lambda: self.epoch, dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}", start=True,
+            # hivemind: a request_timeout above min_matchmaking_time can deadlock two peers that both lead
+            min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
+            allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
+            compression=ALLREDUCE_COMPRESSION[cfg.allreduce_codec], state_compression=NoCompression(),
+            declare_state_period=5.0, allow_state_sharing=True,
+        )  # fmt: skip
+        # hivemind's all-reduce hands each peer local + (average - local): equal up to rounding, which Adam can amplify
+        # where the averaged gradient is near zero. Averaging the parameters every few epochs pulls peers back together.
+        self.param_averager = DecentralizedAverager(
+            [p.detach().cpu().clone() for p in worker.params], dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}_params",
+            start=True, min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
+            allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
+            compression=NoCompression(), allow_state_sharing=False,
+        )  # fmt: skip
+        self.allreduce_bytes = 0  # estimated: what a butterfly all-reduce of our gradients sends and receives
+        self.address = ""  # our own host:port, set by the server once gRPC is bound
+        self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
+        self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
+        self._busy = False
+        self._needs_resync = False
+        self._kick = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._averaging_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
+        self._poller: asyncio.Task | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------------------
+
+    async def join(self) -> bool:
+        """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
+        none answered: a new stage, whose first peers all start from the shared seed (or a checkpoint)."""
+        await self._refresh_peers()
+        if not self.peers:
+            return False
+        logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers))
+        if await self._download_state():
+            return True
+        logger.warning("stage %d: no peer sent its state", self.stage)
+        return False
+
+    async def start(self) -> None:
+        """Start watching the stage. Call after `join` (and any checkpoint load)."""
+        self.averager.state_sharing_priority = self.worker.param_version
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+        self._averaging_pool.shutdown(wait=False, cancel_futures=True)
+        self.averager.shutdown()
+        self.param_averager.shutdown()
+
+    # --- the epoch protocol ----------------------------------------------------------------------------------------
+
+    async def after_backward(self) -> None:
+        """Event loop, after every backward and before its reply: tell the stage, end the epoch if it is full."""
+        await self._broadcast(end_epoch=False)
+        await self._maybe_end_epoch()
+
+    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
+        """A stage peer's count (validated by the service). Never blocks: the poller acts on it."""
+        self.view[msg.peer_id] = (int(msg.epoch), int(msg.samples))
+        if msg.address:
+            self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
+        logger.debug("progress from %s: epoch %d, %d samples%s (we are at %d, busy=%s)", msg.peer_id[-6:], msg.epoch,
+                     msg.samples, ", end of epoch" if msg.end_epoch else "", self.epoch, self._busy)  # fmt: skip
+        if msg.end_epoch and msg.epoch == self.epoch and not self._busy:
+            task = asyncio.get_running_loop().create_task(self._end_epoch_once(int(msg.epoch)))
+            self._tasks.add(task)  # asyncio keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
+        self._kick.set()
+        return pb.ProgressAck(epoch=self.epoch)
+
+    async def _broadcast(self, end_epoch: bool) -> None:
+        msg = pb.StageProgress(protocol_version=PROTOCOL_VERSION, stage=self.stage, peer_id=self.sdht.peer_id,
+                               epoch=self.epoch, samples=self.worker.samples_accumulated, end_epoch=end_epoch,
+                               address=self.address)  # fmt: skip
+        await asyncio.gather(*(self._send(address, msg) for address in self.peers.values()))
+
+    async def _send(self, address: str, msg: pb.StageProgress) -> None:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        rpc = self._channels[address].unary_unary(f"/{SERVICE}/Progress", request_serializer=pb.StageProgress.SerializeToString,
+                                                  response_deserializer=pb.ProgressAck.FromString)  # fmt: skip
+        try:
+            await rpc(msg, timeout=self.cfg.peer_timeout)
+        except grpc.aio.AioRpcError as e:  # a dead peer: its DHT record will expire
+            logger.info("progress to %s failed: %s %s", address, e.code(), e.details())
+
+    async def _refresh_peers(self) -> None:
+        entries = await self.sdht.discover(self.stage)
+        self.peers = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        self.view = {p: v for p, v in self.view.items() if p in self.peers}
+
+    async def _poll_forever(self) -> None:
+        last_refresh = 0.0
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.cfg.progress_period)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                if time.monotonic() - last_refresh > self.cfg.announce_period:
+                    last_refresh = time.monotonic()
+                    await self._refresh_peers()
+                    await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
+                await self._maybe_end_epoch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("progress check failed: %r", e)
+
+    async def _maybe_end_epoch(self) -> None:
+        if self._busy:
+            return
+        mine = self.epoch
+        if any(e > mine for e, _ in self.view.values()) or self._needs_resync:
+            await self._catch_up()
+        elif self.worker.samples_accumulated + sum(s for e, s in self.view.values() if e == mine) >= self.cfg.samples_per_step:
+            await self._broadcast(end_epoch=True)
+            await self._end_epoch_once(mine)
+
+    async def _end_epoch_once(self, epoch: int) -> None:
+        if self._busy or epoch != self.epoch:
+            return
+        logger.debug("ending epoch %d", epoch)
+        self._busy = True
+        n_peers = 1 + len(set(self.peers) | {p for p, (e, _) in self.view.items() if e == epoch})
+        try:
+            if not self.cfg.delay_optimizer_step:
+                await self.worker.submit(lambda: self._average_and_step(n_peers))
+            else:
+                grads, n = await self.worker.submit(self.worker.take_gradients)
+                self.epoch += 1
+                loop = asyncio.get_running_loop()
+                averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers)
+                await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
+        finally:
+            self._busy = False
+        self.averager.state_sharing_priority = self.worker.param_version
+        await self._broadcast(end_epoch=False)
+
+    def _average_and_step(self, n_peers: int) -> None:
+        """Compute thread (synchronous mode)."""
+        grads, n = self.worker.take_gradients()
+        averaged = self._average(grads, n, n_peers)
+        self.worker.apply_gradients(averaged)
+        self.epoch += 1
+        if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
+            self._average_parameters()
+
+    def _average_parameters(self) -> None:
+        """Compute thread. Plain mean of the peers' parameters (weight 1 each); kept local if nobody answers."""
+        with self.param_averager.get_tensors() as buffers:
+            for buf, p in zip(buffers, self.worker.params, strict=False):
+                buf.copy_(p.detach())
+        control = self.param_averager.step(scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                                           timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+        try:
+            if control.result(timeout=2 * self.cfg.averaging_timeout) is None:
+                return
+        except Exception as e:
+            control.cancel()
+            logger.warning("parameter averaging raised %r", e)
+            return
+        self.allreduce_bytes += int(2 * sum(p.numel() for p in self.worker.params) * 4 * 0.5)
+        with self.worker.state_lock, torch.no_grad(), self.param_averager.get_tensors() as buffers:
+            for buf, p in zip(buffers, self.worker.params, strict=False):
+                p.copy_(buf)
+
+    def _average(self, grads: list[torch.Tensor], n_samples: int, n_peers: int) -> list[torch.Tensor]:
+        """Weighted all-reduce of mean gradients (weight: samples behind them). Local gradients if nobody answers."""
+        if n_peers <= 1:
+            return grads
+        with self.averager.get_tensors() as buffers:
+            for buf, g in zip(buffers, grads, strict=False):
+                buf.copy_(g)
+        started = time.monotonic()
+        control = self.averager.step(weight=float(n_samples), scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                                     timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+        try:  # the step's own timeout covers matchmaking only: bound the whole round, or a stuck peer stalls the stage
+            result = control.result(timeout=2 * self.cfg.averaging_timeout)
+        except Exception as e:
+            control.cancel()
+            result = None
+            logger.warning("all-reduce raised %r", e)
+        if result is None:
+            logger.warning("stage %d epoch %d: all-reduce with %d peers failed; stepping alone, will resync",
+                           self.stage, self.epoch, n_peers)  # fmt: skip
+            self._needs_resync = True
+            return grads
+        group = len(result)
+        numel = sum(g.numel() for g in grads)
+        self.allreduce_bytes += int(2 * numel * BYTES_PER_VALUE[self.cfg.allreduce_codec] * (group - 1) / group)
+        logger.info("stage %d epoch %d: averaged %d samples with %d peers in %.2fs", self.stage, self.epoch,
+                    n_samples, group, time.monotonic() - started)  # fmt: skip
+        with self.averager.get_tensors() as buffers:
+            return [b.clone() for b in buffers]
+
+    async def _catch_up(self) -> None:
+        """We missed an epoch, or stepped alone: take the state of the peers ahead of (or beside) us."""
+        others = {p: e for p, (e, _) in self.view.items()}
+        ahead = max([self.epoch, *others.values()])
+        if self._needs_resync and not any(e > self.epoch for e in others.values()):
+            # several peers stepped alone at the same epoch: the smallest peer id is the reference, the others copy it
+            same = sorted(p for p, e in others.items() if e == self.epoch)
+            if not same or self.sdht.peer_id < same[0]:
+                self._needs_resync = False
+                return
+        logger.info("stage %d: behind (epoch %d, swarm at %d) or diverged: downloading state", self.stage, self.epoch,
+                    ahead)  # fmt: skip
+        self._busy = True
+        try:
+            if await self._download_state():
+                self._needs_resync = False
+        finally:
+            self._busy = False
+
+    async def _download_state(self) -> bool:
+        loop = asyncio.get_running_loop()
+        for attempt in range(3):
+            loaded = await loop.run_in_executor(
+                self._averaging_pool, lambda: self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
+            )
+            if loaded is not None:
+                meta, tensors = loaded
+                try:
+                    await self.worker.submit(functools.partial(self._load, meta, tensors))
+                    return True
+                except (ValueError, KeyError, TypeError) as e:
+                    logger.warning("downloaded state is unusable: %r", e)
+            await asyncio.sleep(1.0 + attempt)
+        return False
+
+    def _load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Compute thread: replaces parameters, optimizer state and epoch; drops gradients of the old epoch."""
+        self.worker.take_gradients()
+        self.worker.load_state(meta, tensors)
+        self.epoch = int(meta.get("epoch", meta["param_version"]))
+        logger.info("stage %d: loaded state at epoch %d", self.stage, self.epoch)
