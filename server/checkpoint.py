@@ -48,7 +48,7 @@ def load_checkpoint(worker: StageWorker, directory: str | Path) -> int | None:
     saved = torch.load(state_path(directory, stage), weights_only=False)
     weights = load_file(str(weights_path(directory, stage)))
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
-    tensors = [weights[name] for name in names] + saved["tensors"][len(names):]
+    tensors = [weights[name] for name in names] + saved["tensors"][len(names) :]
     worker.load_state(saved["meta"], tensors)
     logger.info("stage %d: resumed from checkpoint at epoch %d", stage, saved["meta"]["epoch"])
     return int(saved["meta"]["epoch"])

@@ -29,7 +29,7 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from server.config import ServerConfig
-from server.worker import StageWorker
+from server.worker import StageWorker, state_digest
 from swarm import wire_pb2 as pb
 from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE
 
@@ -83,6 +83,7 @@ class StageAverager(DecentralizedAverager):
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
+        logger.info("sending state of epoch %d to a joining peer (digest %s)", self._epoch_fn(), state_digest(tensors))
         return {**meta, "epoch": self._epoch_fn()}, tensors, None
 
 
@@ -214,9 +215,15 @@ class StageCollaboration:
         if self._busy:
             return
         mine = self.epoch
-        if any(e > mine for e, _ in self.view.values()) or self._needs_resync:
+        ahead = max((e for e, _ in self.view.values()), default=mine)
+        if ahead >= mine + 2 or self._needs_resync:
             await self._catch_up()
-        elif self.worker.samples_accumulated + sum(s for e, s in self.view.values() if e == mine) >= self.cfg.samples_per_step:
+        elif ahead == mine + 1:  # peers just finished this epoch: join their all-reduce (or step alone, then resync)
+            await self._end_epoch_once(mine)
+        elif (
+            self.worker.samples_accumulated + sum(s for e, s in self.view.values() if e == mine)
+            >= self.cfg.samples_per_step
+        ):
             await self._broadcast(end_epoch=True)
             await self._end_epoch_once(mine)
 
@@ -255,7 +262,7 @@ class StageCollaboration:
             for buf, p in zip(buffers, self.worker.params, strict=False):
                 buf.copy_(p.detach())
         control = self.param_averager.step(scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                                           timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+                                           timeout=self.cfg.averaging_timeout, allow_retries=True, wait=False)  # fmt: skip
         try:
             if control.result(timeout=2 * self.cfg.averaging_timeout) is None:
                 return
@@ -277,7 +284,7 @@ class StageCollaboration:
                 buf.copy_(g)
         started = time.monotonic()
         control = self.averager.step(weight=float(n_samples), scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                                     timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+                                     timeout=self.cfg.averaging_timeout, allow_retries=True, wait=False)  # fmt: skip
         try:  # the step's own timeout covers matchmaking only: bound the whole round, or a stuck peer stalls the stage
             result = control.result(timeout=2 * self.cfg.averaging_timeout)
         except Exception as e:
@@ -337,4 +344,4 @@ class StageCollaboration:
         self.worker.take_gradients()
         self.worker.load_state(meta, tensors)
         self.epoch = int(meta.get("epoch", meta["param_version"]))
-        logger.info("stage %d: loaded state at epoch %d", self.stage, self.epoch)
+        logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.epoch, state_digest(tensors))

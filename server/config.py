@@ -18,26 +18,40 @@ class ServerConfig:
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this server's DHT node"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
-    samples_per_step: int = field(default=64, metadata={"help": "global batch: samples the whole stage accumulates "
-                                                                "before its peers average gradients and step"})
+    samples_per_step: int = field(
+        default=64,
+        metadata={
+            "help": "global batch: samples the whole stage accumulates " "before its peers average gradients and step"
+        },
+    )
     optimizer: str = field(default="adamw", metadata={"help": "stage optimizer", "choices": ["adamw", "lamb"]})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay"})
     warmup_steps: int = field(default=0, metadata={"help": "linear learning-rate warm-up, in optimizer steps"})
     total_steps: int = field(default=0, metadata={"help": "cosine decay to 10%% over this many steps (0: constant)"})
     clip_grad_norm: float = field(default=1.0, metadata={"help": "max gradient norm (0: no clipping)"})
-    allreduce_codec: str = field(default="blockwise8", metadata={"help": "codec of the stage's gradient all-reduce",
-                                                                 "choices": ["none", "fp16", "blockwise8"]})
-    delay_optimizer_step: bool = field(default=False, metadata={"help": "average and step in the background while "
-                                                                         "serving with the previous parameters (DPU)"})
-    param_average_every: int = field(default=5, metadata={"help": "average the peers' parameters every N epochs "
-                                                                   "(bounds rounding drift; 0: never)"})
+    allreduce_codec: str = field(
+        default="blockwise8",
+        metadata={"help": "codec of the stage's gradient all-reduce", "choices": ["none", "fp16", "blockwise8"]},
+    )
+    delay_optimizer_step: bool = field(
+        default=False,
+        metadata={"help": "average and step in the background while " "serving with the previous parameters (DPU)"},
+    )
+    param_average_every: int = field(
+        default=5,
+        metadata={"help": "average the peers' parameters every N epochs " "(bounds rounding drift; 0: never)"},
+    )
     matchmaking_time: float = field(default=1.0, metadata={"help": "seconds peers gather before an all-reduce"})
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
     progress_period: float = field(default=0.5, metadata={"help": "seconds between checks of the stage's progress"})
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
-    checkpoint_dir: str | None = field(default=None, metadata={"help": "save the stage here periodically and on exit; "
-                                                                       "resume from it when the stage has no peers"})
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "save the stage here periodically and on exit; " "resume from it when the stage has no peers"
+        },
+    )
     checkpoint_period: float = field(default=300.0, metadata={"help": "seconds between checkpoints"})
     solo: bool = field(default=False, metadata={"help": "step alone, never average (debugging)"})
     max_batch_size: int = field(default=64, metadata={"help": "largest microbatch accepted, in samples"})

@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = export_model(model_from_args(args), args.checkpoint_dir, args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: {model.cfg.n_stages} stages, {n / 1e6:.2f}M parameters; load it with "
-          f"GPT(cfg).load_state_dict(safetensors.torch.load_file(path))")
+    print(
+        f"wrote {args.out}: {model.cfg.n_stages} stages, {n / 1e6:.2f}M parameters; load it with "
+        f"GPT(cfg).load_state_dict(safetensors.torch.load_file(path))"
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_dec
     raise ValueError(f"unknown --optimizer {name!r}; choose adamw or lamb")
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then cosine decay to 10% over `total_steps` (0: constant after warm-up)."""
 
     def factor(step: int) -> float:

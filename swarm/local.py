@@ -39,7 +39,7 @@ class LocalConfig:
     servers_per_stage: int = field(default=2, metadata={"help": "servers per stage"})
     trainers: int = field(default=2, metadata={"help": "trainer processes"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches in all (0: no limit)"})
-    duration: float = field(default=120.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
+    duration: float = field(default=180.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
     summary_json: str | None = field(default=None, metadata={"help": "write the run's summary here"})
     preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
     codec: str = field(default="blockwise8", metadata={"help": "wire codec", "choices": sorted(CODECS)})
@@ -47,6 +47,9 @@ class LocalConfig:
     in_flight: int = field(default=3, metadata={"help": "microbatches in flight per trainer"})
     samples_per_step: int = field(default=32, metadata={"help": "samples a server accumulates per optimizer step"})
     lr: float = field(default=2e-3, metadata={"help": "servers' learning rate"})
+    delay_optimizer_step: bool = field(
+        default=True, metadata={"help": "servers average and step in the background " "(delayed parameter updates)"}
+    )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
 
@@ -111,7 +114,8 @@ class LocalSwarm:
 
     def start_server(self, name: str, stage: int | str, extra: list[str] = ()) -> Child:
         args = ["--stage", str(stage), "--host", "127.0.0.1", "--announce-period", "2", "--record-ttl", "8",
-                "--torch-threads", "1", *self._common(), *extra]  # fmt: skip
+                "--torch-threads", "1", "--matchmaking-time", "0.5", "--progress-period", "0.2",
+                *self._common(), *extra]  # fmt: skip
         return self.spawn(name, "server.main", args)
 
     def start_trainer(self, name: str, extra: list[str] = ()) -> Child:
@@ -198,6 +202,7 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
         swarm.start_dht()
         server_args = ["--samples-per-step", str(cfg.samples_per_step), "--lr", str(cfg.lr)]
+        server_args += ["--delay-optimizer-step"] if cfg.delay_optimizer_step else []
         for stage in range(cfg.stages):
             for r in range(cfg.servers_per_stage):
                 swarm.start_server(f"server-s{stage}-r{r}", stage, server_args)

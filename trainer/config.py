@@ -25,8 +25,9 @@ class TrainerConfig:
     discovery_period: float = field(default=2.0, metadata={"help": "seconds between DHT lookups of stage peers"})
     log_period: float = field(default=5.0, metadata={"help": "seconds between progress lines"})
     stats_file: str | None = field(default=None, metadata={"help": "keep a JSON snapshot of progress here"})
-    loss_log: str | None = field(default=None, metadata={"help": "append one JSON line per microbatch: step, loss, "
-                                                               "stage versions"})
+    loss_log: str | None = field(
+        default=None, metadata={"help": "append one JSON line per microbatch: step, loss, " "stage versions"}
+    )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
 
     def __post_init__(self) -> None:
