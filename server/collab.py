@@ -175,17 +175,22 @@ class StageCollaboration:
         msg = pb.StageProgress(protocol_version=PROTOCOL_VERSION, stage=self.stage, peer_id=self.sdht.peer_id,
                                epoch=self.epoch, samples=self.worker.samples_accumulated, end_epoch=end_epoch,
                                address=self.address)  # fmt: skip
-        await asyncio.gather(*(self._send(address, msg) for address in self.peers.values()))
+        await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
-    async def _send(self, address: str, msg: pb.StageProgress) -> None:
+    async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
         if address not in self._channels:
             self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         rpc = self._channels[address].unary_unary(f"/{SERVICE}/Progress", request_serializer=pb.StageProgress.SerializeToString,
                                                   response_deserializer=pb.ProgressAck.FromString)  # fmt: skip
         try:
             await rpc(msg, timeout=self.cfg.peer_timeout)
-        except grpc.aio.AioRpcError as e:  # a dead peer: its DHT record will expire
-            logger.info("progress to %s failed: %s %s", address, e.code(), e.details())
+        except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
+            logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
+            self.peers.pop(peer_id, None)
+            self.view.pop(peer_id, None)
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                await channel.close()
 
     async def _refresh_peers(self) -> None:
         entries = await self.sdht.discover(self.stage)
