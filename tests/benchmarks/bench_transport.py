@@ -1,0 +1,150 @@
+"""Transport benchmark: one stage RPC round trip of a 4x512x1024 fp32 activation against a raw grpc.aio bytes echo.
+
+"Stage RPC" is everything a real Forward call does except the math: the trainer's StageClient (encode off the loop,
+byte accounting, framing, reply parsing with limits, decode, shape and finite checks) against a real StageService
+(frame parsing, header limits before buffering, decode, schema and finite validation, the hop to the compute thread,
+encode of the reply, framing). The stage's compute is replaced by the identity (`IdentityWorker`), so the number is the
+wire format's overhead, not the model's speed. Its model is a real stage schema: d_model 1024, seq 512.
+
+The raw echo is a stream-stream service that returns each bytes message it gets, no protobuf, no checks: the client
+sends the same payload in the same 2 MiB messages and reads them back. Both run in this process, on one event loop,
+with the same channel and server options (swarm.wire.GRPC_OPTIONS), one call at a time, interleaved.
+
+    python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import torch
+import uvloop
+
+from server.worker import StageWorker
+from swarm.compression import get_codec
+from swarm.config import ModelConfig
+from swarm.wire import CHUNK_BYTES, GRPC_OPTIONS, WireStats
+from tests.benchmarks import common
+from tests.benchmarks.stages import InProcessStages
+from trainer.client import StageClient
+
+SHAPE = (4, 512, 1024)
+TARGET = 0.85  # stage RPC throughput / raw gRPC throughput, codec none
+ECHO_METHOD = "/bench.Echo/Echo"
+
+
+class IdentityWorker(StageWorker):
+    """A stage whose forward is free: the RPC path stays real, the math goes."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs
+
+
+async def echo(requests, context):
+    async for message in requests:
+        yield message
+
+
+async def start_echo_server() -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    handler = grpc.stream_stream_rpc_method_handler(echo)  # bytes in, bytes out
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def raw_chunks(n_bytes: int) -> list[bytes]:
+    payload = bytes(n_bytes)
+    return [payload[i : i + CHUNK_BYTES] for i in range(0, n_bytes, CHUNK_BYTES)]
+
+
+async def run(repeats: int) -> dict:
+    cfg = ModelConfig(d_model=1024, n_heads=8, d_ff=8, max_seq_len=SHAPE[1], n_stages=3, layers_per_stage=1)
+    x = torch.randn(SHAPE)
+    fp32_bytes = x.numel() * 4
+    clients = {
+        name: StageClient(get_codec(name), WireStats(), max_tensor_bytes=1 << 30) for name in ("none", "blockwise8")
+    }
+    payload_bytes = {name: get_codec(name).encode(x)[1].__len__() for name in clients}
+    echo_server, echo_address = await start_echo_server()
+    channel = grpc.aio.insecure_channel(echo_address, options=GRPC_OPTIONS)
+    echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
+    try:
+        async with InProcessStages(cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1],
+                                   worker_cls=IdentityWorker) as stages:  # fmt: skip
+            address = stages.addresses[1]
+
+            def stage_call(client: StageClient):
+                async def call() -> None:
+                    reply = await client.call(address, "Forward", 1, "m", {"inputs": x}, SHAPE, 60)
+                    assert reply.tensor is not None
+
+                return call
+
+            def raw_call(n_bytes: int):
+                chunks = raw_chunks(n_bytes)
+
+                async def call() -> None:
+                    got = 0
+                    async for message in echo_rpc(iter(chunks), timeout=60):
+                        got += len(message)
+                    assert got == n_bytes
+
+                return call
+
+            fns = {
+                "raw echo, fp32 size": raw_call(payload_bytes["none"]),
+                "stage RPC, codec none": stage_call(clients["none"]),
+                "raw echo, 8-bit size": raw_call(payload_bytes["blockwise8"]),
+                "stage RPC, blockwise8": stage_call(clients["blockwise8"]),
+            }
+            common.log(f"transport: {len(fns)} variants x {repeats} interleaved rounds")
+            times = await common.ainterleaved(fns, repeats, warmup=3)
+    finally:
+        for client in clients.values():
+            await client.close()
+        await channel.close()
+        await echo_server.stop(grace=None)
+
+    raw_fp32, raw_8bit = times["raw echo, fp32 size"], times["raw echo, 8-bit size"]
+    variants = {}
+    for name, ts in times.items():
+        variants[name] = {
+            "seconds": common.summary(ts),
+            "activation_gb_per_s": common.summary([fp32_bytes / t / 1e9 for t in ts]),  # fp32 bytes moved each way
+            "throughput_vs_raw_fp32": common.summary(common.per_round_ratio(raw_fp32, ts)),
+            "throughput_vs_raw_same_bytes": common.summary(
+                common.per_round_ratio(raw_8bit if "8" in name else raw_fp32, ts)
+            ),
+        }
+    return {"shape": list(SHAPE), "fp32_bytes": fp32_bytes, "payload_bytes": payload_bytes, "variants": variants,
+            "model": dataclasses.asdict(cfg)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.parser(__doc__.split("\n\n")[0])
+    args = p.parse_args(argv)
+    repeats = args.repeats or (30 if args.quick else 120)
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    result = uvloop.run(run(repeats))
+    rows = []
+    for name, v in result["variants"].items():
+        rows.append([common.fmt(v["throughput_vs_raw_same_bytes"]), common.fmt(v["throughput_vs_raw_fp32"]), name,
+                     common.fmt(v["seconds"], scale=1e3), common.fmt(v["activation_gb_per_s"])])  # fmt: skip
+    common.table(f"round trip of a {list(SHAPE)} fp32 activation ({result['fp32_bytes'] / 2**20:.0f} MiB each way), "
+                 f"median [min-max] of {repeats} interleaved rounds",
+                 ["vs raw, same bytes", "vs raw, fp32 bytes", "variant", "ms", "activation GB/s"], rows)  # fmt: skip
+    ratio = result["variants"]["stage RPC, codec none"]["throughput_vs_raw_same_bytes"]["median"]
+    verdict = "meets" if ratio >= TARGET else "falls short of"
+    print(f"stage RPC (codec none) reaches {ratio:.3f} of raw gRPC throughput; {verdict} the target {TARGET}")
+    result.update(benchmark="transport", hardware=common.hardware(), repeats=repeats, target=TARGET,
+                  note="stage compute replaced by the identity; everything else on the RPC path is real")  # fmt: skip
+    common.write_json(args.out, "transport", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
