@@ -109,13 +109,13 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
     """Assemble a request or response stream; raises WireError on anything malformed or over the limits."""
     call: Call | None = None
     current: pb.TensorHeader | None = None
-    buf = bytearray()
+    buf, filled = bytearray(), 0  # preallocated to the header's size (already checked against the limits)
 
     def finish() -> None:
         if current is not None:
-            if len(buf) != current.payload_bytes:
+            if filled != current.payload_bytes:
                 raise WireError(
-                    f"tensor {current.name!r}: got {len(buf)} payload bytes, header says {current.payload_bytes}"
+                    f"tensor {current.name!r}: got {filled} payload bytes, header says {current.payload_bytes}"
                 )
             call.tensors[current.name] = EncodedTensor(current, buf)
 
@@ -129,15 +129,16 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
         if frame.HasField("tensor"):
             finish()
             _check_header(frame.tensor, limits, call.tensors)
-            current, buf = frame.tensor, bytearray()
+            current, buf, filled = frame.tensor, bytearray(frame.tensor.payload_bytes), 0
         if frame.data:
             if current is None:
                 raise WireError("payload data before any tensor header")
-            if len(buf) + len(frame.data) > current.payload_bytes:
+            if filled + len(frame.data) > current.payload_bytes:
                 raise WireError(
                     f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
                 )
-            buf += frame.data
+            memoryview(buf)[filled : filled + len(frame.data)] = frame.data
+            filled += len(frame.data)
     if call is None:
         raise WireError("empty stream")
     finish()

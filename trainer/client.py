@@ -15,6 +15,7 @@ from swarm.wire import (
     GRPC_OPTIONS,
     PROTOCOL_VERSION,
     SERVICE,
+    EncodedTensor,
     Limits,
     WireError,
     WireStats,
@@ -26,6 +27,13 @@ from swarm.wire import (
 
 TRAFFIC_CLASS = {"inputs": "activations", "outputs": "activations", "grad_outputs": "gradients",
                  "grad_inputs": "gradients", "labels": "tokens"}  # fmt: skip
+
+
+def traffic_class(enc: EncodedTensor) -> str:
+    """Token ids (stage 0's inputs) and labels are "tokens", whatever their role in the call."""
+    if enc.header.dtype == pb.DTYPE_INT64:
+        return "tokens"
+    return TRAFFIC_CLASS[enc.header.name]
 
 
 @dataclass
@@ -57,7 +65,7 @@ class StageClient:
             self.pool, lambda: [encode_tensor(k, v, self.codec) for k, v in tensors.items()]
         )
         for enc in encoded:
-            self.stats.add(TRAFFIC_CLASS[enc.header.name], enc)
+            self.stats.add(traffic_class(enc), enc)
         meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
                            reply_codec=self.codec.wire)  # fmt: skip
         rpc = self._channel(address).stream_stream(
@@ -70,11 +78,11 @@ class StageClient:
         tensor = None
         if reply.tensors:
             (enc,) = reply.tensors.values()
-            self.stats.add(TRAFFIC_CLASS[enc.header.name], enc)
+            self.stats.add(traffic_class(enc), enc)
             tensor = await loop.run_in_executor(self.pool, decode_tensor, enc, torch.device("cpu"))
             if expect_shape is not None and tuple(tensor.shape) != expect_shape:
                 raise WireError(f"stage {stage} replied with shape {list(tensor.shape)}, expected {list(expect_shape)}")
-            if not torch.isfinite(tensor).all():
+            if tensor.numel() and not bool(torch.isfinite(tensor.amax()) & torch.isfinite(tensor.amin())):
                 raise WireError(f"stage {stage} replied with NaN or inf")
         loss = reply.meta.loss if reply.meta.has_loss else None
         return StageReply(tensor=tensor, loss=loss, param_version=reply.meta.param_version)
