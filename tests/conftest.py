@@ -23,6 +23,16 @@ def processes_with_marker(marker: str) -> list[tuple[int, str]]:
     return found
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    """Poll `predicate` until it returns something truthy (returned), or raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
 @pytest.fixture
 def marker(monkeypatch):
     """A unique marker set in this test's environment; asserts at teardown that no marked process survived."""

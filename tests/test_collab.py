@@ -19,6 +19,7 @@ from swarm.config import model_config
 from swarm.local import LocalSwarm
 from swarm.model import GPT
 from swarm.wire import WireStats
+from tests.conftest import wait_for
 from trainer.client import StageClient
 from trainer.data import load_corpus, microbatches
 
@@ -33,15 +34,6 @@ def model_args() -> list[str]:
     for k, v in MODEL_FLAGS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.25)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def read_losses(path: Path) -> list[float]:

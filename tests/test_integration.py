@@ -10,19 +10,9 @@ import time
 import pytest
 
 from swarm.local import LocalSwarm
-from tests.conftest import processes_with_marker
+from tests.conftest import processes_with_marker, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def trainer_stats(swarm: LocalSwarm) -> dict:
