@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import get_dht_time
 
@@ -80,6 +81,14 @@ class StageAverager(DecentralizedAverager):
     def __init__(self, worker: StageWorker, epoch_fn, **kwargs):
         self._worker, self._epoch_fn = worker, epoch_fn  # before super().__init__: the state thread may ask at once
         super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.params], **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind counts a round in which some reducers timed out as a success ("received 57% results"): the parts
+        they held stay local, and peers silently disagree. Make such a round fail, so that the caller retries it."""
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
+        if runner.tensor_part_container.failed_size:
+            raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
@@ -284,18 +293,19 @@ class StageCollaboration:
         """Weighted all-reduce of mean gradients (weight: samples behind them). Local gradients if nobody answers."""
         if n_peers <= 1:
             return grads
-        with self.averager.get_tensors() as buffers:
-            for buf, g in zip(buffers, grads, strict=False):
-                buf.copy_(g)
         started = time.monotonic()
-        control = self.averager.step(weight=float(n_samples), scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                                     timeout=self.cfg.averaging_timeout, allow_retries=True, wait=False)  # fmt: skip
-        try:  # the step's own timeout covers matchmaking only: bound the whole round, or a stuck peer stalls the stage
-            result = control.result(timeout=2 * self.cfg.averaging_timeout)
-        except Exception as e:
-            control.cancel()
-            result = None
-            logger.warning("all-reduce raised %r", e)
+        result = None
+        while result is None and time.monotonic() - started < self.cfg.averaging_timeout:
+            with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
+                for buf, g in zip(buffers, grads, strict=True):
+                    buf.copy_(g)
+            control = self.averager.step(weight=float(n_samples), scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                                         timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+            try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
+                result = control.result(timeout=2 * self.cfg.averaging_timeout)
+            except Exception as e:
+                control.cancel()
+                logger.warning("all-reduce attempt failed: %r", e)
         if result is None:
             logger.warning("stage %d epoch %d: all-reduce with %d peers failed; stepping alone, will resync",
                            self.stage, self.epoch, n_peers)  # fmt: skip
