@@ -278,13 +278,15 @@ class StageCollaboration:
         control = self.param_averager.step(scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
                                            timeout=self.cfg.averaging_timeout, allow_retries=True, wait=False)  # fmt: skip
         try:
-            if control.result(timeout=2 * self.cfg.averaging_timeout) is None:
-                return
+            result = control.result(timeout=2 * self.cfg.averaging_timeout)
         except Exception as e:
             control.cancel()
             logger.warning("parameter averaging raised %r", e)
             return
-        self.allreduce_bytes += int(2 * sum(p.numel() for p in self.worker.params) * 4 * 0.5)
+        if result is None:
+            return
+        group = len(result)  # estimated like the gradients' bytes: fp32, butterfly all-reduce over the actual group
+        self.allreduce_bytes += int(2 * sum(p.numel() for p in self.worker.params) * 4 * (group - 1) / group)
         with self.worker.state_lock, torch.no_grad(), self.param_averager.get_tensors() as buffers:
             for buf, p in zip(buffers, self.worker.params, strict=False):
                 p.copy_(buf)
