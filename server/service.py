@@ -10,11 +10,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from server.collab import LocalSteps, StageCollaboration
 from server.worker import DeadlineExpired, StageWorker
@@ -92,21 +90,13 @@ def _check_ids(x: torch.Tensor, vocab: int, name: str) -> None:
     _expect(x.numel() == 0 or (int(x.min()) >= 0 and int(x.max()) < vocab), f"{name} must be token ids in [0, {vocab})")
 
 
-async def _parse_frames(raw_frames: AsyncIterator[bytes]) -> AsyncIterator[pb.Frame]:
-    async for raw in raw_frames:
-        try:
-            yield pb.Frame.FromString(raw)
-        except DecodeError as e:
-            raise WireError(f"malformed frame: {e}") from e
-
-
 class StageService:
     def __init__(self, worker: StageWorker, schema: StageSchema, collab: Collaboration):
         self.worker, self.schema, self.collab = worker, schema, collab
         self.requests_rejected = 0
 
     def handler(self) -> grpc.GenericRpcHandler:
-        stream = dict(request_deserializer=None, response_serializer=pb.Frame.SerializeToString)  # parse ourselves
+        stream = dict(request_deserializer=None, response_serializer=None)  # frames are bytes both ways (swarm.wire)
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Forward": grpc.stream_stream_rpc_method_handler(self.forward, **stream),
             "Backward": grpc.stream_stream_rpc_method_handler(self.backward, **stream),
@@ -149,7 +139,7 @@ class StageService:
         deadline = time.monotonic() + remaining if remaining is not None else None
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await read_call(_parse_frames(raw_frames), limits)
+            call = await read_call(raw_frames, limits)  # raw frames: swarm.wire parses them, one payload copy
             reply = await self.worker.submit(lambda: self._compute(call, backward), deadline)
             if backward:
                 await self.collab.after_backward()  # publishes progress; may end the epoch (see server/collab.py)
@@ -162,7 +152,7 @@ class StageService:
         for frame in reply:
             yield frame
 
-    def _compute(self, call: Call, backward: bool) -> list[pb.Frame]:
+    def _compute(self, call: Call, backward: bool) -> list[bytes]:
         """Compute thread: decode, validate, run, encode. Raises WireError before touching the model on bad input."""
         meta, device, schema = call.meta, self.worker.device, self.schema
         _expect(meta.stage == schema.stage, f"this server serves stage {schema.stage}, the call is for {meta.stage}")

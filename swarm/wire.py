@@ -2,6 +2,9 @@
 
 Stream rules (see wire.proto): the first frame carries `CallMeta`; a frame with `tensor` starts a tensor; `data`
 appends to the current tensor until it holds exactly `payload_bytes`. Large payloads are split into `chunk_bytes` pieces.
+
+On the wire every frame is a plain serialized `Frame`. Its `data` field is written and read by hand (encode_frame,
+parse_frame) so that a payload is copied once on each side; protobuf copies it on every parse, access and serialize.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import AsyncIterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from google.protobuf.message import DecodeError
 
 from swarm import wire_pb2 as pb
 from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecError, NoneCodec
@@ -59,16 +63,110 @@ def decode_tensor(enc: EncodedTensor, device: torch.device) -> torch.Tensor:
         raise WireError(str(e)) from e
 
 
-def iter_frames(meta: pb.CallMeta, tensors: list[EncodedTensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Frame]:
+_DATA_KEY = 3 << 3 | 2  # Frame.data: field 3, wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_frame(
+    meta: pb.CallMeta | None = None, tensor: pb.TensorHeader | None = None, data: bytes | memoryview = b""
+) -> bytes:
+    """The bytes of `pb.Frame(meta=meta, tensor=tensor, data=data).SerializeToString()`, with `data` copied once.
+
+    Protobuf would copy the payload into the message and again out of it. Fields go in field-number order, as
+    protobuf writes them, so the output is byte-identical to protobuf's (tests/test_wire.py checks)."""
+    head = b"" if meta is None and tensor is None else pb.Frame(meta=meta, tensor=tensor).SerializeToString()
+    if not len(data):
+        return head
+    return b"".join((head, _varint(_DATA_KEY), _varint(len(data)), data))
+
+
+def iter_frames(meta: pb.CallMeta, tensors: list[EncodedTensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Serialized `Frame`s of one call: `meta` in the first, each tensor's header before its payload's chunks."""
     if not tensors:
-        yield pb.Frame(meta=meta)
+        yield encode_frame(meta)
         return
     for i, enc in enumerate(tensors):
-        view = memoryview(enc.payload)
-        first = enc.payload if len(view) <= chunk_bytes else bytes(view[:chunk_bytes])
-        yield pb.Frame(meta=meta if i == 0 else None, tensor=enc.header, data=first)
+        view = memoryview(enc.payload).cast("B")
+        yield encode_frame(meta if i == 0 else None, enc.header, view[:chunk_bytes])
         for start in range(chunk_bytes, len(view), chunk_bytes):
-            yield pb.Frame(data=bytes(view[start : start + chunk_bytes]))
+            yield encode_frame(data=view[start : start + chunk_bytes])
+
+
+def _read_varint(view: memoryview, pos: int, max_bytes: int = 10) -> tuple[int, int] | None:
+    """-> (value, position after it), or None if it is truncated or longer than `max_bytes`."""
+    value = 0
+    for i in range(min(max_bytes, len(view) - pos)):
+        byte = view[pos + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return value, pos + i + 1
+    return None
+
+
+def _split_data(view: memoryview) -> tuple[memoryview, list[memoryview]] | None:
+    """Scan a serialized Frame's top-level fields -> (the last `data` field's bytes, every other field's bytes).
+
+    None for what this scan does not handle (groups, bad tags or wire types, truncation): protobuf gets those whole."""
+    data, rest, pos = view[:0], [], 0
+    while pos < len(view):
+        start = pos
+        if (read := _read_varint(view, pos, max_bytes=5)) is None:
+            return None
+        key, pos = read
+        if not 1 <= key >> 3 < 1 << 29:
+            return None
+        wire_type = key & 7
+        if wire_type == 0:
+            if (read := _read_varint(view, pos)) is None:
+                return None
+            pos = read[1]
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            if (read := _read_varint(view, pos, max_bytes=5)) is None:
+                return None
+            length, pos = read
+            pos += length
+        else:
+            return None
+        if pos > len(view):
+            return None
+        if key == _DATA_KEY:
+            data = view[pos - length : pos]  # a later `data` replaces an earlier one, as protobuf does
+        else:
+            rest.append(view[start:pos])
+    return data, rest
+
+
+def parse_frame(raw: bytes) -> tuple[pb.Frame, memoryview]:
+    """A serialized Frame -> (the Frame without its `data`, a view of `data` inside `raw`); raises WireError.
+
+    Protobuf would copy the payload on parse and again on every `frame.data` access; here it is not copied at all.
+    Every field but `data` is parsed by protobuf (concatenated serialized fields merge like one message), so nested
+    messages, unknown fields and malformed input fare exactly as with `pb.Frame.FromString(raw)`."""
+    view = memoryview(raw).cast("B")
+    split = _split_data(view)
+    try:
+        if split is None:
+            frame = pb.Frame.FromString(raw)
+            data = memoryview(frame.data)
+            frame.ClearField("data")
+        else:
+            data, rest = split
+            frame = pb.Frame.FromString(b"".join(rest))
+    except DecodeError as e:
+        raise WireError(f"malformed frame: {e}") from e
+    return frame, data
 
 
 @dataclass
@@ -105,8 +203,11 @@ def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:
         )
 
 
-async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
-    """Assemble a request or response stream; raises WireError on anything malformed or over the limits."""
+async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits) -> Call:
+    """Assemble a request or response stream; raises WireError on anything malformed or over the limits.
+
+    Frames are serialized, as they come off the wire (each payload is then copied once, into its tensor's buffer), or
+    already parsed `pb.Frame`s."""
     call: Call | None = None
     current: pb.TensorHeader | None = None
     buf, filled = bytearray(), 0  # preallocated to the header's size (already checked against the limits)
@@ -119,7 +220,11 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
                 )
             call.tensors[current.name] = EncodedTensor(current, buf)
 
-    async for frame in frames:
+    async for message in frames:
+        if isinstance(message, pb.Frame):
+            frame, data = message, memoryview(message.data)
+        else:
+            frame, data = parse_frame(message)
         if call is None:
             if not frame.HasField("meta"):
                 raise WireError("the first frame must carry CallMeta")
@@ -130,15 +235,15 @@ async def read_call(frames: AsyncIterable[pb.Frame], limits: Limits) -> Call:
             finish()
             _check_header(frame.tensor, limits, call.tensors)
             current, buf, filled = frame.tensor, bytearray(frame.tensor.payload_bytes), 0
-        if frame.data:
+        if len(data):
             if current is None:
                 raise WireError("payload data before any tensor header")
-            if filled + len(frame.data) > current.payload_bytes:
+            if filled + len(data) > current.payload_bytes:
                 raise WireError(
                     f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
                 )
-            memoryview(buf)[filled : filled + len(frame.data)] = frame.data
-            filled += len(frame.data)
+            memoryview(buf)[filled : filled + len(data)] = data
+            filled += len(data)
     if call is None:
         raise WireError("empty stream")
     finish()

@@ -68,11 +68,8 @@ class StageClient:
             self.stats.add(traffic_class(enc), enc)
         meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
                            reply_codec=self.codec.wire)  # fmt: skip
-        rpc = self._channel(address).stream_stream(
-            f"/{SERVICE}/{method}",
-            request_serializer=pb.Frame.SerializeToString,
-            response_deserializer=pb.Frame.FromString,
-        )
+        # frames are bytes both ways: swarm.wire encodes and parses them, copying each payload chunk once
+        rpc = self._channel(address).stream_stream(f"/{SERVICE}/{method}")
         call = rpc(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         tensor = None

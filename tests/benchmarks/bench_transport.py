@@ -7,8 +7,10 @@ encode of the reply, framing). The stage's compute is replaced by the identity (
 wire format's overhead, not the model's speed. Its model is a real stage schema: d_model 1024, seq 512.
 
 The raw echo is a stream-stream service that returns each bytes message it gets, no protobuf, no checks: the client
-sends the same payload in the same 2 MiB messages and reads them back. Both run in this process, on one event loop,
-with the same channel and server options (swarm.wire.GRPC_OPTIONS), one call at a time, interleaved.
+sends the same payload in the same 2 MiB messages and reads them back. It copies nothing in Python (its chunks are built
+once, its server returns the objects it received); the stage RPC turns each tensor into bytes, copies them into frames
+and out of frames into one buffer, in both directions, and checks that the tensors are finite. Both run in this process,
+on one event loop, with the same channel and server options (swarm.wire.GRPC_OPTIONS), one call at a time, interleaved.
 
     python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
 """
