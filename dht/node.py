@@ -60,8 +60,9 @@ class SwarmDHT:
         tombstone = ServerRecord(host=record.host, port=record.port, stage=record.stage, online=False)
         return await self.announce(tombstone, ttl)
 
-    async def discover(self, stage: int) -> list[PeerEntry]:
-        """Live, valid, online servers of `stage`; malformed or foreign records are skipped."""
+    async def discover(self, stage: int, include_pending: bool = False) -> list[PeerEntry]:
+        """Live, valid, online servers of `stage`; malformed or foreign records are skipped. Servers still downloading
+        the stage's state (`ready=False`) only with `include_pending`: the rebalancer counts them, nobody calls them."""
         future = self.dht.get(stage_key(self.swarm_name, stage), latest=True, return_future=True)
         found = await asyncio.wait_for(future, self.timeout)
         if found is None or not isinstance(found.value, dict):
@@ -72,7 +73,7 @@ class SwarmDHT:
             if record is None or record.stage != stage:
                 logger.debug("skipping malformed record of %s under stage %d", peer_id, stage)
                 continue
-            if record.online and item.expiration_time > now:
+            if record.online and item.expiration_time > now and (record.ready or include_pending):
                 entries.append(PeerEntry(str(peer_id), record, item.expiration_time))
         return entries
 

@@ -16,7 +16,11 @@ def stage_key(swarm_name: str, stage: int) -> str:
 
 @dataclass(frozen=True)
 class ServerRecord:
-    """Peer `peer_id` serves `stage` at host:port, measured `throughput` samples/s, `queue_length` pending requests."""
+    """Peer `peer_id` serves `stage` at host:port. Its load, for trainers and the rebalancer (swarm/rebalance.py):
+    measured `throughput` (samples/s it can sustain), `queue_length` (requests waiting), `demand` (samples/s it was
+    sent over the last announce period). `joined_at`: DHT time it took this stage (by starting or moving), which its
+    cooldown counts from. `ready`: False while it downloads the stage's state; it serves nothing yet, but its capacity
+    is already committed here."""
 
     host: str
     port: int
@@ -24,6 +28,9 @@ class ServerRecord:
     throughput: float = 0.0
     queue_length: int = 0
     param_version: int = 0
+    demand: float = 0.0
+    joined_at: float = 0.0
+    ready: bool = True
     online: bool = True  # False: a tombstone left by a peer that withdrew
     version: int = RECORD_VERSION
 
@@ -49,9 +56,12 @@ class ServerRecord:
             isinstance(rec.host, str) and 0 < len(rec.host) <= 255,
             isinstance(rec.port, int) and 0 < rec.port < 65536,
             isinstance(rec.stage, int) and rec.stage >= 0,
-            isinstance(rec.throughput, int | float) and rec.throughput >= 0,
+            isinstance(rec.throughput, int | float) and 0 <= rec.throughput < float("inf"),
             isinstance(rec.queue_length, int) and rec.queue_length >= 0,
             isinstance(rec.param_version, int) and rec.param_version >= 0,
+            isinstance(rec.demand, int | float) and 0 <= rec.demand < float("inf"),
+            isinstance(rec.joined_at, int | float) and 0 <= rec.joined_at < float("inf"),
+            isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
         )
         return rec if all(checks) else None

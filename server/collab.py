@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,6 +58,9 @@ class LocalSteps:
     def epoch(self, value: int) -> None:
         self.worker.param_version = value
 
+    async def launch(self) -> None:
+        pass
+
     async def join(self) -> bool:
         return False
 
@@ -65,6 +69,9 @@ class LocalSteps:
 
     async def stop(self) -> None:
         pass
+
+    async def finish_epoch(self, timeout: float) -> int:
+        return self.worker.samples_accumulated
 
     async def after_backward(self) -> None:
         if self.worker.samples_accumulated >= self.target:
@@ -97,13 +104,14 @@ class StageAverager(DecentralizedAverager):
 
 
 class StageCollaboration:
-    """Build on the main thread (hivemind's averager forks); then `await join()`, `await start()` before serving."""
+    """Build anywhere, then on the main thread `await launch()` (hivemind's averagers are forked processes), then
+    `await join()` and `await start()` before serving; `await stop()` when done with the stage."""
 
     def __init__(self, worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: ServerConfig):
         self.worker, self.sdht, self.stage, self.cfg = worker, sdht, stage, cfg
         self.epoch = 0  # global batches this peer has finished accumulating
         self.averager = StageAverager(
-            worker, lambda: self.epoch, dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}", start=True,
+            worker, lambda: self.epoch, dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}", start=False,
             # hivemind: a request_timeout above min_matchmaking_time can deadlock two peers that both lead
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
             allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
@@ -114,7 +122,7 @@ class StageCollaboration:
         # where the averaged gradient is near zero. Averaging the parameters every few epochs pulls peers back together.
         self.param_averager = DecentralizedAverager(
             [p.detach().cpu().clone() for p in worker.params], dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}_params",
-            start=True, min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
+            start=False, min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
             allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
             compression=NoCompression(), allow_state_sharing=False,
         )  # fmt: skip
@@ -123,6 +131,7 @@ class StageCollaboration:
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
         self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
         self._busy = False
+        self._stopped = False
         self._needs_resync = False
         self._kick = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -131,6 +140,20 @@ class StageCollaboration:
         self._poller: asyncio.Task | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
+
+    async def launch(self, timeout: float = 60.0) -> None:
+        """Main thread (the event loop's): fork the averagers' processes, then wait for them off the loop.
+
+        hivemind's `run_in_background` sets SIGINT to "ignore" in the calling process for good; put our handler back,
+        or Ctrl+C would stop working after a peer's first stage."""
+        for averager in (self.averager, self.param_averager):
+            handler = signal.getsignal(signal.SIGINT)
+            try:
+                averager.run_in_background(await_ready=False)
+            finally:
+                signal.signal(signal.SIGINT, handler)
+        for averager in (self.averager, self.param_averager):
+            await asyncio.to_thread(averager.wait_until_ready, timeout)
 
     async def join(self) -> bool:
         """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
@@ -150,14 +173,24 @@ class StageCollaboration:
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:
-        if self._poller:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+        self._stopped = True
+        pending = [t for t in (self._poller, *self._tasks) if t is not None]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
         self._averaging_pool.shutdown(wait=False, cancel_futures=True)
-        self.averager.shutdown()
-        self.param_averager.shutdown()
+        await asyncio.gather(*(asyncio.to_thread(a.shutdown) for a in (self.averager, self.param_averager)
+                               if a.is_alive()))  # fmt: skip
+
+    async def finish_epoch(self, timeout: float) -> int:
+        """Before leaving the stage (no new work arrives): wait until our gradients went into an all-reduce, i.e. the
+        stage's current epoch ended. Returns the samples whose gradients are dropped because it did not end in time."""
+        deadline = time.monotonic() + timeout
+        while (self.worker.samples_accumulated > 0 or self._busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self.worker.samples_accumulated
 
     # --- the epoch protocol ----------------------------------------------------------------------------------------
 
@@ -173,7 +206,7 @@ class StageCollaboration:
             self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
         logger.debug("progress from %s: epoch %d, %d samples%s (we are at %d, busy=%s)", msg.peer_id[-6:], msg.epoch,
                      msg.samples, ", end of epoch" if msg.end_epoch else "", self.epoch, self._busy)  # fmt: skip
-        if msg.end_epoch and msg.epoch == self.epoch and not self._busy:
+        if msg.end_epoch and msg.epoch == self.epoch and not self._busy and not self._stopped:
             task = asyncio.get_running_loop().create_task(self._end_epoch_once(int(msg.epoch)))
             self._tasks.add(task)  # asyncio keeps only weak references to tasks
             task.add_done_callback(self._tasks.discard)

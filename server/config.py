@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm.rebalance import RebalanceConfig
+
 
 @dataclass(kw_only=True)
 class ServerConfig:
-    stage: str = field(default="0", metadata={"help": "stage index to serve, or 'auto': the stage with least capacity"})
+    stage: str = field(
+        default="0", metadata={"help": "stage index to serve, or 'auto': the stage that most needs capacity"}
+    )
     swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
     initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
     host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address (0.0.0.0 for a real swarm)"})
@@ -58,7 +62,24 @@ class ServerConfig:
     announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
     record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
     drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
-    slowdown: float = field(default=1.0, metadata={"help": "testing/benchmarks: run N times slower than measured"})
+    slowdown: float = field(
+        default=1.0,
+        metadata={
+            "help": "testing/benchmarks: emulate a device N times slower: each forward/backward lasts N x the least "
+            "time this server has taken for the same work (its uncontended cost, unlike the current time, which "
+            "grows with CPU contention), sleeping the rest so the CPU stays free for other processes"
+        },
+    )
+    rebalance: bool = field(
+        default=True, metadata={"help": "move to another stage when it needs this peer's capacity more (--rebalance-*)"}
+    )
+    rebalancing: RebalanceConfig = field(default_factory=RebalanceConfig, metadata={"prefix": "rebalance_"})
+    migration_drain_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "before moving: seconds to wait for the stage's current epoch, so this peer's gradients count"
+        },
+    )
     torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads (0: torch's default)"})
 
     def __post_init__(self) -> None:

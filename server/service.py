@@ -94,6 +94,17 @@ class StageService:
     def __init__(self, worker: StageWorker, schema: StageSchema, collab: Collaboration):
         self.worker, self.schema, self.collab = worker, schema, collab
         self.requests_rejected = 0
+        self.active_calls = 0  # Forward/Backward calls between arrival and reply
+        self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
+
+    def attach(self, worker: StageWorker, schema: StageSchema, collab: Collaboration) -> None:
+        """Serve another stage (after a move) and accept work again."""
+        self.worker, self.schema, self.collab, self.paused = worker, schema, collab, None
+
+    def pause(self, reason: str) -> None:
+        """Turn new Forward/Backward calls away with UNAVAILABLE: trainers retry them on another peer of the stage.
+        Calls already accepted finish; Progress and Info are still answered."""
+        self.paused = reason
 
     def handler(self) -> grpc.GenericRpcHandler:
         stream = dict(request_deserializer=None, response_serializer=None)  # frames are bytes both ways (swarm.wire)
@@ -135,20 +146,26 @@ class StageService:
         )  # fmt: skip
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
+        if self.paused is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.paused)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
+        worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
+        self.active_calls += 1
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
             call = await read_call(raw_frames, limits)  # raw frames: swarm.wire parses them, one payload copy
-            reply = await self.worker.submit(lambda: self._compute(call, backward), deadline)
+            reply = await worker.submit(lambda: self._compute(call, backward), deadline)
             if backward:
-                await self.collab.after_backward()  # publishes progress; may end the epoch (see server/collab.py)
+                await collab.after_backward()  # publishes progress; may end the epoch (see server/collab.py)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except DeadlineExpired:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
+        finally:
+            self.active_calls -= 1
         for frame in reply:
             yield frame
 

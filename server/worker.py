@@ -25,6 +25,7 @@ from swarm.model import Stage
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 
 R = TypeVar("R")
+PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
 
 
 def state_digest(tensors: list[torch.Tensor]) -> str:
@@ -38,8 +39,11 @@ class DeadlineExpired(Exception):
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, cfg: ServerConfig, device: torch.device):
+    def __init__(self, stage: Stage, cfg: ServerConfig, device: torch.device, prior_throughput: float = 0.0):
+        """`prior_throughput` > 0: what `throughput` reports until PRIOR_UNTIL microbatches of this stage are measured
+        (a peer that moved brings its speed on its previous stage instead of a fresh, noisier, one-off measurement)."""
         self.stage, self.cfg, self.device = stage.to(device).train(), cfg, device
+        self.prior_throughput = prior_throughput
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optimizer, self.params, cfg.lr, cfg.weight_decay)
         self.schedule = build_schedule(self.optimizer, cfg.warmup_steps, cfg.total_steps)
@@ -49,7 +53,9 @@ class StageWorker:
         self.param_version = 0
         self.samples_processed = 0
         self.samples_accumulated = 0
+        self.microbatches_processed = 0
         self._seconds_per_sample: dict[str, float] = {}  # EMA per kind of work: "forward", "backward"
+        self._fastest: dict[tuple[str, int], float] = {}  # (kind, samples) -> least seconds seen, for --slowdown
 
     async def submit(self, fn: Callable[[], R], deadline: float | None = None) -> R:
         """Run `fn` on the compute thread. Raises DeadlineExpired instead of running it if `deadline` (monotonic) passed."""
@@ -79,6 +85,7 @@ class StageWorker:
             result = stage_backward(self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n)
         self.samples_processed += n
         self.samples_accumulated += n
+        self.microbatches_processed += 1
         return result
 
     @torch.no_grad()
@@ -146,12 +153,29 @@ class StageWorker:
 
     @contextlib.contextmanager
     def _timed(self, kind: str, n_samples: int) -> Iterator[None]:
+        """Compute thread only. Times one forward or backward of `n_samples` samples into the EMA behind `throughput`.
+
+        `cfg.slowdown` s > 1 emulates a device s times slower than this one running alone: the work is made to last
+        s x the least time this worker has taken for the same (kind, n_samples) so far, by sleeping the difference
+        between that and the actual elapsed time (never negative). CPU contention only lengthens elapsed times, so the
+        running minimum, and with it the emulated time, does not move with the load of other processes; sleeping,
+        not computing, leaves the CPU to them, as a slower device on another machine would. The EMA records the
+        emulated time even where contention made the work itself longer: the emulated device's speed does not depend
+        on what else runs on this machine (the rebalancer must not chase the 2-core test machine's scheduling noise).
+        s = 1 never sleeps.
+        """
         start = time.perf_counter()
         yield
+        if self.device.type == "cuda":  # kernels run asynchronously: time them, not their launches
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        if self.cfg.slowdown > 1.0:  # emulate slower hardware, for tests and benchmarks
-            time.sleep(elapsed * (self.cfg.slowdown - 1.0))
-            elapsed *= self.cfg.slowdown
+        if self.cfg.slowdown > 1.0:
+            key = (kind, n_samples)
+            fastest = self._fastest[key] = min(elapsed, self._fastest.get(key, elapsed))
+            emulated = self.cfg.slowdown * fastest
+            if emulated > elapsed:
+                time.sleep(emulated - elapsed)
+            elapsed = emulated
         per_sample = elapsed / max(n_samples, 1)
         old = self._seconds_per_sample.get(kind)
         self._seconds_per_sample[kind] = per_sample if old is None else 0.9 * old + 0.1 * per_sample
@@ -159,8 +183,38 @@ class StageWorker:
     @property
     def throughput(self) -> float:
         """Training samples/s this peer sustains: one forward plus one backward (with recompute) per sample."""
-        total = sum(self._seconds_per_sample.values())
-        return 1.0 / total if total > 0 else 0.0
+        if self.prior_throughput > 0 and self.microbatches_processed < PRIOR_UNTIL:
+            return self.prior_throughput
+        # the last stage gets no Forward calls: its backward computes the loss
+        kinds = ("backward",) if self.stage.is_last else ("forward", "backward")
+        if any(k not in self._seconds_per_sample for k in kinds):
+            return 0.0
+        return 1.0 / sum(self._seconds_per_sample[k] for k in kinds)
+
+    def calibrate(self, batch_size: int, tries: int = 5) -> None:
+        """Compute thread, before serving: time the work of a random microbatch, so that the announced throughput
+        means something before the first request (the rebalancer and `--stage auto` read it). Keeps the fastest of
+        `tries` per kind of work: the first pays for warm-up, and on a shared machine a peer that starts next to
+        others is slowed by them at random. Leaves no gradient and counts no sample."""
+        cfg, index = self.stage.cfg, self.stage.index
+        shape = (batch_size, cfg.max_seq_len)
+        fastest: dict[str, float] = {}
+        for _ in range(tries):
+            self._seconds_per_sample.clear()
+            if index == 0:
+                inputs = torch.randint(0, cfg.vocab_size, shape, device=self.device)
+            else:
+                inputs = torch.randn(*shape, cfg.d_model, device=self.device)
+            if self.stage.is_last:
+                self.backward(inputs, labels=torch.randint(0, cfg.vocab_size, shape, device=self.device))
+            else:
+                self.backward(inputs, grad_outputs=torch.randn_like(self.forward(inputs)))
+            for p in self.params:
+                p.grad = None
+            for kind, seconds in self._seconds_per_sample.items():
+                fastest[kind] = min(seconds, fastest.get(kind, seconds))
+        self._seconds_per_sample = fastest
+        self.samples_processed = self.samples_accumulated = self.microbatches_processed = 0
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -16,7 +16,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, suppress_defaults: bool = False) -> None:
+def _nested_prefix(f: dataclasses.Field) -> str:
+    """A field whose type is itself a config dataclass gets its own flags, prefixed: `--rebalance-period-s`."""
+    return f.metadata.get("prefix", f.name + "_")
+
+
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, suppress_defaults: bool = False, prefix: str = ""
+) -> None:
     """One flag per field; help text from `field(metadata={"help": ...})`. `suppress_defaults`: flags not given are
     absent from the namespace (used for overrides on top of a preset)."""
     hints = typing.get_type_hints(cls)
@@ -25,6 +32,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, suppress_default
         if not f.init or f.metadata.get("cli") is False:
             continue
         typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            add_config_args(parser, typ, suppress_defaults, prefix + _nested_prefix(f))
+            continue
         default = argparse.SUPPRESS if suppress_defaults else (
             f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         )  # fmt: skip
@@ -42,12 +52,19 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, suppress_default
             kwargs["choices"] = f.metadata["choices"]
         if not suppress_defaults and kwargs["help"] is not None and default is not None:
             kwargs["help"] += f" (default: {default})"
-        group.add_argument(_flag(f.name), **kwargs)
+        group.add_argument(_flag(prefix + f.name), dest=prefix + f.name, **kwargs)
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    names = {f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli") is not False}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
+    hints, values, kwargs = typing.get_type_hints(cls), vars(args), {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = config_from_args(hints[f.name], args, prefix + _nested_prefix(f))
+        elif prefix + f.name in values:
+            kwargs[f.name] = values[prefix + f.name]
+    return cls(**kwargs)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ def run_swarm(
     server's final weights (saved by SIGTERM to its own checkpoint folder)."""
     server_flags = ["--samples-per-step", str(GLOBAL_BATCH), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
                     "--clip-grad-norm", "0", "--allreduce-codec", codec, "--matchmaking-time", "0.5",
-                    "--progress-period", "0.1"]  # fmt: skip
+                    "--progress-period", "0.1", "--no-rebalance"]  # fmt: skip
     loss_log = tmp / f"{name}-losses.jsonl"
     with LocalSwarm(tmp / name, name, model_args()) as swarm:
         swarm.start_dht()
@@ -147,7 +147,7 @@ async def swarm_loss(addresses: list[str], tokens, labels, cfg) -> float:
 @pytest.mark.timeout(600)
 def test_peers_die_rejoin_and_an_emptied_stage_resumes_from_its_checkpoint(tmp_path):
     flags = ["--samples-per-step", "16", "--matchmaking-time", "0.5", "--progress-period", "0.2",
-             "--checkpoint-period", "3600"]  # fmt: skip
+             "--checkpoint-period", "3600", "--no-rebalance"]  # fmt: skip
     ckpt = {name: tmp_path / f"ckpt-{name}" for name in ("s0-r0", "s0-r1", "s1-r0", "s1-r1")}
     two_stages = [*model_args()[:-2], "--n-stages", "2"]  # same small model, 2 stages
     with LocalSwarm(tmp_path / "logs", "faults", two_stages) as swarm:

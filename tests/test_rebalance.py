@@ -163,3 +163,55 @@ def test_csv_trace_and_cli(tmp_path, capsys):
     row = result["main"]["table"]["swarm T=60s"]
     assert 0 < row["overall"] <= 100.0 and not math.isnan(row["last_hour"])
     assert "swarm T=60s" in capsys.readouterr().out
+
+
+def test_server_view_is_the_swarm_as_of_the_boundary():
+    """Records of peers that joined or moved after the period's boundary do not count yet, so peers reading a moment
+    apart decide on the same swarm; a peer found under two stages counts where its freshest record is."""
+    from dht.records import PeerEntry, ServerRecord
+    from server.main import read_view
+
+    def entry(peer: str, stage: int, joined: float, expires: float, ready: bool = True) -> PeerEntry:
+        record = ServerRecord(host="127.0.0.1", port=1, stage=stage, throughput=2.0, joined_at=joined, ready=ready)
+        return PeerEntry(peer, record, expires)
+
+    before = [[entry("a", 0, 10.0, 100.0), entry("b", 0, 10.0, 100.0)], [entry("c", 1, 10.0, 100.0)]]
+    moved = [[before[0][0]], [before[1][0], entry("b", 1, 55.0, 101.0, ready=False)]]  # b moves at t=55
+    late = [*before[0], entry("d", 0, 56.0, 102.0)], before[1]  # d joins at t=56
+
+    def sizes(view):
+        return [sorted(p.peer_id for p in s.peers) for s in view.stages]
+
+    assert sizes(read_view(moved, as_of=50.0)) == [["a"], ["c"]]  # b's stage-0 record already gone: not counted
+    assert sizes(read_view([before[0] + moved[0], moved[1]], as_of=50.0)) == [["a", "b"], ["c"]]
+    assert sizes(read_view([before[0] + moved[0], moved[1]], as_of=60.0)) == [["a"], ["b", "c"]]
+    assert sizes(read_view(list(late), as_of=50.0)) == [["a", "b"], ["c"]]
+    view = read_view([before[0] + moved[0], moved[1]], as_of=60.0)
+    assert not next(p for p in view.stages[1].peers if p.peer_id == "b").ready
+
+
+def test_records_validate_load_fields():
+    from dht.records import ServerRecord
+
+    good = ServerRecord(host="h", port=1, stage=0, throughput=3.0, demand=2.0, joined_at=5.0, ready=False).to_dict()
+    assert ServerRecord.from_dict(good) is not None
+    assert ServerRecord.from_dict({k: v for k, v in good.items() if k not in ("demand", "joined_at", "ready")})
+    for field, bad in (("demand", -1.0), ("demand", math.inf), ("throughput", math.nan), ("joined_at", "x"),
+                       ("ready", 1)):  # fmt: skip
+        assert ServerRecord.from_dict({**good, field: bad}) is None, (field, bad)
+
+
+def test_server_flags_configure_the_rebalancer():
+    import argparse
+
+    from server.config import ServerConfig
+    from swarm.cli import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, ServerConfig)
+    cfg = config_from_args(ServerConfig, parser.parse_args(["--rebalance-period-s", "8", "--no-rebalance",
+                                                            "--rebalance-algorithm", "paper"]))  # fmt: skip
+    assert cfg.rebalancing == RebalanceConfig(period_s=8.0, algorithm="paper") and cfg.rebalance is False
+    assert config_from_args(ServerConfig, parser.parse_args([])).rebalancing == RebalanceConfig()
+    with pytest.raises(ValueError, match="--rebalance-period-s"):
+        config_from_args(ServerConfig, parser.parse_args(["--rebalance-period-s", "0"]))

@@ -178,7 +178,7 @@ def measure_trainer(
 
 
 def server_args(port: int, swarm_name: str, extra: list[str] = ()) -> list[str]:
-    return ["--port", str(port), "--swarm-name", swarm_name, *extra]
+    return ["--port", str(port), "--swarm-name", swarm_name, "--no-rebalance", *extra]  # fixed allocations
 
 
 def new_swarm(out_dir: str, tag: str) -> LocalSwarm:
