@@ -3,8 +3,10 @@ the stage then deliver the sum of its servers' capacities?
 
 A live 2-stage swarm (`LocalSwarm`): stage 0 has 2 fast servers; stage 1 (the last: loss and backward) has 3 servers
 slowed 1x, 2x and 4x (`--slowdown`), times a common `--base-slowdown` so that stage 1 is the bottleneck and its three
-servers together need well under the machine's 2 cores: with base 1 the slowed servers would fight for CPU and their
-capacities would depend on each other. Each round:
+servers together need well under the machine's 2 cores. A server's `--slowdown` N makes each backward last N x the
+fastest it has done that work, sleeping the rest (server/worker.py, `StageWorker._timed`): its speed does not move
+with CPU contention as long as contention keeps its real compute under N x uncontended, which a base of 1 would not
+(the 1x server would compute all the time and fight the others for the CPU). Each round:
 
 1. Capacity alone: this process drives each stage-1 server by itself (Backward calls with the trainer's codec, enough
    concurrency to keep its queue non-empty) for a few seconds: samples/s.
@@ -25,6 +27,7 @@ run), so that the number is about routing.
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import time
 
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
             def read(tag: str, counters: dict = counters, poller=poller) -> None:
                 infos = {n: swarmrun.info(addresses[n]) for n in names}
                 counters[tag] = {"t": time.monotonic(), **{n: i.samples_processed for n, i in infos.items()}}
+                counters[f"{tag}_cpu"] = (*common.machine_cpu_seconds(), swarmrun.cpu_seconds(swarm))
                 counters[f"{tag}_ema"] = {n: i.throughput for n, i in infos.items()}
                 if tag == "start":
                     poller.start()
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                 str(args.in_flight), "--codec", args.codec, "--data", corpus], window=window,
                 warmup_steps=3 * args.in_flight, between=read)  # fmt: skip
             seconds = counters["end"]["t"] - counters["start"]["t"]
+            busy, total, ours = (b - a for a, b in zip(counters["start_cpu"], counters["end_cpu"], strict=True))
             done = {n: counters["end"][n] - counters["start"][n] for n in names}
             total = sum(done.values())
             rounds.append({
@@ -150,9 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
                 "busy_fraction": counters["busy"], "trainer": trainer,
                 "capacity_in_swarm": counters["end_ema"],  # the servers' own EMA of samples/s (slowdown included)
                 "throughput_vs_capacity_in_swarm": total / seconds / sum(counters["end_ema"].values()),
+                # over the window, in cores: the whole machine's CPU use, and this benchmark's swarm's (the rest is
+                # other processes on the machine, competing with the swarm)
+                "machine_cores_busy": busy / seconds, "swarm_cores_busy": ours / seconds,
+                "cores": os.cpu_count(), "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             })  # fmt: skip
             common.log(f"round {r}: shares {({n: round(v, 3) for n, v in rounds[-1]['share'].items()})}, busy "
-                       f"{({n: round(v, 2) for n, v in counters['busy'].items()})}")  # fmt: skip
+                       f"{({n: round(v, 2) for n, v in counters['busy'].items()})}, cores busy: machine "
+                       f"{busy / seconds:.2f} of {os.cpu_count()}, this swarm {ours / seconds:.2f}")  # fmt: skip
 
     nominal = {n: (1 / f) / sum(1 / g for g in FACTORS) for n, f in zip(names, FACTORS, strict=True)}
     rows, report = [], {"servers": {}}
@@ -179,11 +189,16 @@ def main(argv: list[str] | None = None) -> dict:
     report["capacity_in_swarm_sum"] = common.summary([sum(x["capacity_in_swarm"].values()) for x in rounds])
     report["stage_throughput"] = common.summary([x["stage_throughput"] for x in rounds])
     report["capacity_sum"] = common.summary([x["capacity_sum"] for x in rounds])
+    report["machine_cores_busy"] = common.summary([x["machine_cores_busy"] for x in rounds])
+    report["swarm_cores_busy"] = common.summary([x["swarm_cores_busy"] for x in rounds])
     common.table("stage 1 throughput against the sum of its servers' capacities, alone (driven by this process before "
-                 "the run) and in the swarm (each server's own EMA of samples/s at the window's end)",
-                 ["throughput/sum alone", "throughput/sum in swarm", "stage samples/s", "sum alone", "sum in swarm"],
+                 "the run) and in the swarm (each server's own EMA of samples/s at the window's end); cores busy in "
+                 f"the window, of {os.cpu_count()}: the whole machine's and this swarm's",
+                 ["throughput/sum alone", "throughput/sum in swarm", "stage samples/s", "sum alone", "sum in swarm",
+                  "machine cores busy", "swarm cores busy"],
                  [[common.fmt(thr), common.fmt(thr_in), common.fmt(report["stage_throughput"]),
-                   common.fmt(report["capacity_sum"]), common.fmt(report["capacity_in_swarm_sum"])]])  # fmt: skip
+                   common.fmt(report["capacity_sum"]), common.fmt(report["capacity_in_swarm_sum"]),
+                   common.fmt(report["machine_cores_busy"], 2), common.fmt(report["swarm_cores_busy"], 2)]])  # fmt: skip
     worst = max(abs(x["share"][n] - x["capacity_share"][n]) for x in rounds for n in names)
     worst_in = max(abs(x["share"][n] - x["capacity_share_in_swarm"][n]) for x in rounds for n in names)
     print(f"throughput {thr['median']:.3f} of the sum of capacities alone, {thr_in['median']:.3f} of the sum in the swarm"
@@ -194,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         "base_slowdown": args.base_slowdown, "factors": FACTORS, "in_flight": args.in_flight, "codec": args.codec,
         "window_s": window, "repeats": repeats, "server_args": extra, "rounds": rounds, **report,
         "targets": {"throughput": TARGET_THROUGHPUT, "share_abs": TARGET_SHARE},
+        "load_average_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }  # fmt: skip
     common.write_json(args.out, "routing", result)
     return result

@@ -79,6 +79,19 @@ def hardware() -> dict:
     return info
 
 
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores, from /proc/stat ((nan, nan) elsewhere).
+    Two readings tell how loaded the machine was in between, whoever loaded it."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
+
+
 def summary(values: Sequence[float]) -> dict:
     """Median and spread (min, max, inter-quartile range) of repeated measurements."""
     xs = sorted(values)
