@@ -215,3 +215,14 @@ def test_server_flags_configure_the_rebalancer():
     assert config_from_args(ServerConfig, parser.parse_args([])).rebalancing == RebalanceConfig()
     with pytest.raises(ValueError, match="--rebalance-period-s"):
         config_from_args(ServerConfig, parser.parse_args(["--rebalance-period-s", "0"]))
+
+
+def test_three_one_one_becomes_two_two_one_and_stays():
+    """The issue's example on equal peers: one move, then nothing, period after period. (The bottleneck stays one peer
+    either way, so this move alone cannot raise throughput; 4/1/1 -> 2/2/2 can: tests/test_rebalance_live.py.)"""
+    cfg = RebalanceConfig()
+    view = view_of([1, 1, 1], [1], [1])
+    assert all_decisions(view, cfg) == [Move("s0p0", 0, 1)]
+    after = view_of([1, 1], [1, 1], [1])
+    for period in range(10):
+        assert all_decisions(after, cfg, now=NOW + 60 * period) == []
