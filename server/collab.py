@@ -33,6 +33,7 @@ from dht.node import SwarmDHT
 from server.config import ServerConfig
 from server.worker import StageWorker, state_digest
 from swarm import wire_pb2 as pb
+from swarm.compression import get_codec
 from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,13 @@ class StageCollaboration:
         """Main thread (the event loop's): fork the averagers' processes, then wait for them off the loop.
 
         hivemind's `run_in_background` sets SIGINT to "ignore" in the calling process for good; put our handler back,
-        or Ctrl+C would stop working after a peer's first stage."""
+        or Ctrl+C would stop working after a peer's first stage.
+
+        bitsandbytes is imported lazily, and importing it takes seconds on a loaded machine: initialise it here first,
+        so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
+        overruns --averaging-timeout (measured: the first round failed on every stage of a 3x2 local swarm)."""
+        if self.cfg.allreduce_codec == "blockwise8":
+            await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
         for averager in (self.averager, self.param_averager):
             handler = signal.getsignal(signal.SIGINT)
             try:
