@@ -251,10 +251,24 @@ class StageServer:
             if all(p.peer_id != self.sdht.peer_id for s in view.stages for p in s.peers):
                 continue  # our record is not visible yet: the others do not count us either
             move = decide(view, self.sdht.peer_id, at, rb)
-            if move is not None:
-                loads = "/".join(f"{x:.2f}" for x in stage_loads(view))
-                peers = "/".join(str(len(s.peers)) for s in view.stages)
-                await self.move(move.dst, f"peers per stage {peers}, load (demand/capacity) {loads}")
+            if move is None:
+                continue
+            loads = "/".join(f"{x:.2f}" for x in stage_loads(view))
+            peers = "/".join(str(len(s.peers)) for s in view.stages)
+            # a record can be missing only because its peer's last announce was late (a loaded machine, a slow DHT):
+            # read once more an announce period later, and move only if the same records still call for it
+            if await _sleep_unless(stop, self.cfg.announce_period):
+                return
+            try:
+                confirmed = decide(await self.view(as_of=at), self.sdht.peer_id, at, rb)
+            except Exception as e:
+                logger.warning("rebalancing skipped: could not re-read the swarm's load: %r", e)
+                continue
+            if confirmed != move:
+                logger.info("not moving to stage %d: a second read of the swarm (peers per stage %s at the first) no "
+                            "longer calls for it", move.dst, peers)  # fmt: skip
+                continue
+            await self.move(move.dst, f"peers per stage {peers}, load (demand/capacity) {loads}")
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
