@@ -366,6 +366,8 @@ class StageCollaboration:
         others = {p: e for p, (e, _) in self.view.items()}
         ahead = max([self.epoch, *others.values()])
         if self._needs_resync and not any(e > self.epoch for e in others.values()):
+            if any(e < self.epoch for e in others.values()):
+                return  # a peer is still finishing this epoch (it may step alone too): decide once it has
             # several peers stepped alone at the same epoch: the smallest peer id is the reference, the others copy it
             same = sorted(p for p, e in others.items() if e == self.epoch)
             if not same or self.sdht.peer_id < same[0]:
