@@ -169,7 +169,9 @@ class StageServer:
         self.collab = collab = LocalSteps(worker, cfg.samples_per_step) if cfg.solo else \
             StageCollaboration(worker, self.sdht, stage, cfg)  # fmt: skip
         await collab.launch()
-        self.joined_at, self._counted = get_dht_time(), (time.monotonic(), 0)
+        if self.moving_to is None:  # a move took the stage when it committed to it, before the period's boundary
+            self.joined_at = get_dht_time()
+        self._counted = (time.monotonic(), 0)
         self.take_snapshot()
         if self.service is not None:  # a move: our capacity counts here from now on, while we download
             await self.announce(ready=False)
