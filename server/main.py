@@ -172,9 +172,7 @@ class StageServer:
         if self.moving_to is None:  # a move took the stage when it committed to it, before the period's boundary
             self.joined_at = get_dht_time()
         self._counted = (time.monotonic(), 0)
-        self.take_snapshot()
-        if self.service is not None:  # a move: our capacity counts here from now on, while we download
-            await self.announce(ready=False)
+        self.take_snapshot()  # a move keeps announcing its pending record meanwhile (`run`)
         joined = await collab.join()
         if not joined and cfg.checkpoint_dir:
             epoch = await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint_dir)
