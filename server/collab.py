@@ -134,11 +134,13 @@ class StageCollaboration:
         self._busy = False
         self._stopped = False
         self._needs_resync = False
+        self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._kick = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._averaging_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self._poller: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -177,6 +179,7 @@ class StageCollaboration:
     async def start(self) -> None:
         """Start watching the stage. Call after `join` (and any checkpoint load)."""
         self.averager.state_sharing_priority = self.worker.param_version
+        self._loop = asyncio.get_running_loop()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:
@@ -209,6 +212,8 @@ class StageCollaboration:
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
         """A stage peer's count (validated by the service). Never blocks: the poller acts on it."""
         self.view[msg.peer_id] = (int(msg.epoch), int(msg.samples))
+        counts = self._counts.setdefault(int(msg.epoch), {})
+        counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
         if msg.address:
             self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
         logger.debug("progress from %s: epoch %d, %d samples%s (we are at %d, busy=%s)", msg.peer_id[-6:], msg.epoch,
@@ -286,6 +291,8 @@ class StageCollaboration:
             return
         logger.debug("ending epoch %d", epoch)
         self._busy = True
+        for old in [e for e in self._counts if e < epoch]:
+            del self._counts[old]
         n_peers = 1 + len(set(self.peers) | {p for p, (e, _) in self.view.items() if e == epoch})
         try:
             if not self.cfg.delay_optimizer_step:
@@ -295,6 +302,8 @@ class StageCollaboration:
                 self.epoch += 1
                 loop = asyncio.get_running_loop()
                 averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers)
+                if averaged is None:
+                    averaged, self._needs_resync = grads, True
                 await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
         finally:
             self._busy = False
@@ -302,12 +311,17 @@ class StageCollaboration:
         await self._broadcast(end_epoch=False)
 
     def _average_and_step(self, n_peers: int) -> None:
-        """Compute thread (synchronous mode)."""
+        """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
         grads, n = self.worker.take_gradients()
         averaged = self._average(grads, n, n_peers)
-        self.worker.apply_gradients(averaged)
-        self.epoch += 1
+        if averaged is None and self._copy_reference_state(n):
+            pass
+        else:
+            self.worker.apply_gradients(grads if averaged is None else averaged)
+            self.epoch += 1
         if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
+            # tell the stage first: a peer copying our state after a failed round waits for our new epoch
+            asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
             self._average_parameters()
 
     def _average_parameters(self) -> None:
@@ -331,8 +345,8 @@ class StageCollaboration:
             for buf, p in zip(buffers, self.worker.params, strict=False):
                 p.copy_(buf)
 
-    def _average(self, grads: list[torch.Tensor], n_samples: int, n_peers: int) -> list[torch.Tensor]:
-        """Weighted all-reduce of mean gradients (weight: samples behind them). Local gradients if nobody answers."""
+    def _average(self, grads: list[torch.Tensor], n_samples: int, n_peers: int) -> list[torch.Tensor] | None:
+        """Weighted all-reduce of mean gradients (weight: samples behind them). None if the round failed."""
         if n_peers <= 1:
             return grads
         started = time.monotonic()
@@ -349,10 +363,8 @@ class StageCollaboration:
                 control.cancel()
                 logger.warning("all-reduce attempt failed: %r", e)
         if result is None:
-            logger.warning("stage %d epoch %d: all-reduce with %d peers failed; stepping alone, will resync",
-                           self.stage, self.epoch, n_peers)  # fmt: skip
-            self._needs_resync = True
-            return grads
+            logger.warning("stage %d epoch %d: all-reduce with %d peers failed", self.stage, self.epoch, n_peers)
+            return None
         group = len(result)
         numel = sum(g.numel() for g in grads)
         self.allreduce_bytes += int(2 * numel * BYTES_PER_VALUE[self.cfg.allreduce_codec] * (group - 1) / group)
@@ -360,6 +372,43 @@ class StageCollaboration:
                     n_samples, group, time.monotonic() - started)  # fmt: skip
         with self.averager.get_tensors() as buffers:
             return [b.clone() for b in buffers]
+
+    def _copy_reference_state(self, n_samples: int) -> bool:
+        """Compute thread, after a failed round of `self.epoch`, before any request sees our parameters.
+
+        One peer steps alone and the others copy it, so the stage stays one model, and the step kept is the best one
+        left: that of the live peer with the most samples behind its gradients (ties: the smallest peer id). Every peer
+        names the same one, because peers report their counts before they reply to a trainer, hence before the epoch
+        can end. True when we copied it; False when we are the reference, or it did not step in time (then we step
+        alone too and resync later)."""
+        epoch, me = self.epoch, self.sdht.peer_id
+        live = set(self.peers)  # copies: the event loop's thread updates them
+        counts = {p: n for p, n in dict(self._counts.get(epoch, {})).items() if p in live}
+        counts[me] = n_samples
+        reference = min(counts, key=lambda p: (-counts[p], p))
+        if reference == me:
+            logger.warning("stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                           self.stage, epoch, n_samples)  # fmt: skip
+            return False
+        logger.warning("stage %d epoch %d: waiting for %s (%d samples) to step alone, to copy its state", self.stage,
+                       epoch, reference[-6:], counts[reference])  # fmt: skip
+        self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
+        try:
+            deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
+            while self.view.get(reference, (epoch, 0))[0] <= epoch and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self.view.get(reference, (epoch, 0))[0] > epoch:
+                loaded = self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
+                if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
+                    self._load(*loaded)
+                    return True
+        except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as e:
+            logger.warning("copying the state of the stage's reference peer failed: %r", e)
+        finally:
+            self.averager.allow_state_sharing = True
+        logger.warning("stage %d epoch %d: no state to copy; stepping alone, will resync", self.stage, epoch)
+        self._needs_resync = True
+        return False
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peers ahead of (or beside) us."""

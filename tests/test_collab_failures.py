@@ -1,0 +1,80 @@
+"""A failed all-reduce must not split a stage into two models. Two real peers of one stage (in-process StageServers:
+real DHT, real hivemind averagers, real Progress RPCs) and a round that fails for real because one peer is too busy
+to join it in time."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from dht.node import SwarmDHT, start_dht
+from server.config import ServerConfig
+from server.main import StageServer
+from server.worker import StageWorker
+from swarm.config import model_config
+from swarm.model import Stage
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+MODEL = model_config("local_debug", d_model=32, n_heads=2, d_ff=64, max_seq_len=16, n_stages=2, layers_per_stage=1)
+TIMEOUT = 3.0  # --averaging-timeout
+
+
+async def wait_for_async(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def server_config(initial_peers: list[str]) -> ServerConfig:
+    return ServerConfig(stage="0", initial_peers=initial_peers, samples_per_step=8, clip_grad_norm=0.0,
+                        matchmaking_time=0.5, averaging_timeout=TIMEOUT, progress_period=0.1, announce_period=1.0,
+                        param_average_every=0, rebalance=False, torch_threads=1)  # fmt: skip
+
+
+async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samples():
+    """B processes the whole global batch; A none. B's compute thread is then busy for longer than A's all-reduce
+    waits, so the round fails on both. A must not step on its empty gradients: it waits for B (the peer with the
+    samples) to step alone and copies B's state. Both end at epoch 1 with the parameters of a single-process step."""
+    loop = asyncio.get_running_loop()
+    boot = await loop.run_in_executor(None, start_dht)
+    peers = [str(m) for m in boot.get_visible_maddrs()]
+    servers: list[StageServer] = []
+    try:
+        for _ in range(2):  # A first: it starts from the seed; B then downloads A's state (identical anyway)
+            sdht = SwarmDHT(await loop.run_in_executor(None, start_dht, peers), "failtest")
+            servers.append(StageServer(server_config(peers), MODEL, sdht, torch.device("cpu")))
+            await servers[-1].enter(0)
+        # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
+        a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
+        await wait_for_async(lambda: a.sdht.peer_id in b.collab.peers and b.sdht.peer_id in a.collab.peers, 30,
+                             "the two peers to find each other")  # fmt: skip
+
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len), generator=gen)
+        grad_out = torch.randn(8, MODEL.max_seq_len, MODEL.d_model, generator=gen)
+        await b.worker.submit(lambda: b.worker.backward(tokens, grad_outputs=grad_out))
+        busy = asyncio.ensure_future(b.worker.submit(lambda: time.sleep(1.5 * TIMEOUT)))
+        started = time.monotonic()
+        await b.collab.after_backward()  # B tells A the batch is complete, then queues its round behind the sleep
+        await busy
+        await wait_for_async(lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab._busy, 30,
+                             "both peers to finish epoch 0")  # fmt: skip
+        print(f"\nround failed and the stage resynced in {time.monotonic() - started:.1f}s")
+        assert not a.collab._needs_resync and not b.collab._needs_resync
+
+        expected = StageWorker(Stage(MODEL, 0), server_config(peers), torch.device("cpu"))
+        expected.backward(tokens, grad_outputs=grad_out)
+        expected.apply_gradients(expected.take_gradients()[0])
+        for name, p in expected.stage.named_parameters():
+            pa, pb = dict(a.worker.stage.named_parameters())[name], dict(b.worker.stage.named_parameters())[name]
+            assert torch.equal(pa, pb), f"{name}: the peers hold different parameters"
+            assert torch.allclose(pa, p, rtol=0, atol=1e-6), f"{name}: not the single-process step"
+        assert a.worker.param_version == b.worker.param_version == 1
+    finally:
+        for server in reversed(servers):
+            await server.shutdown()
+            server.sdht.dht.shutdown()
+        boot.shutdown()
