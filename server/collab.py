@@ -299,9 +299,9 @@ class StageCollaboration:
                 await self.worker.submit(lambda: self._average_and_step(n_peers))
             else:
                 grads, n = await self.worker.submit(self.worker.take_gradients)
-                self.epoch += 1
+                self.epoch = epoch + 1
                 loop = asyncio.get_running_loop()
-                averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers)
+                averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers, epoch)
                 if averaged is None:
                     averaged, self._needs_resync = grads, True
                 await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
@@ -312,13 +312,16 @@ class StageCollaboration:
 
     def _average_and_step(self, n_peers: int) -> None:
         """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
+        epoch = self.epoch
         grads, n = self.worker.take_gradients()
-        averaged = self._average(grads, n, n_peers)
-        if averaged is None and self._copy_reference_state(n):
-            pass
-        else:
-            self.worker.apply_gradients(grads if averaged is None else averaged)
+        averaged = self._average(grads, n, n_peers, epoch)
+        if averaged is None and self._we_step_alone(n):
+            averaged = grads
+        if averaged is not None:
+            self.worker.apply_gradients(averaged)
             self.epoch += 1
+        if self.epoch == epoch:
+            return  # the round failed and no peer has stepped yet: this epoch stays open (see _we_step_alone)
         if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
@@ -345,13 +348,25 @@ class StageCollaboration:
             for buf, p in zip(buffers, self.worker.params, strict=False):
                 p.copy_(buf)
 
-    def _average(self, grads: list[torch.Tensor], n_samples: int, n_peers: int) -> list[torch.Tensor] | None:
-        """Weighted all-reduce of mean gradients (weight: samples behind them). None if the round failed."""
+    def _peers_ahead(self, epoch: int) -> list[str]:
+        """Stage peers that have finished `epoch`, by peer id (any thread: copies the view the event loop updates)."""
+        return sorted(p for p, (e, _) in dict(self.view).items() if e > epoch)
+
+    def _average(
+        self, grads: list[torch.Tensor], n_samples: int, n_peers: int, epoch: int
+    ) -> list[torch.Tensor] | None:
+        """Weighted all-reduce of mean gradients (weight: samples behind them). None if the round failed, or if every
+        peer has already finished the epoch (a round that ended for them and not for us: nobody is left to retry with).
+        """
         if n_peers <= 1:
             return grads
         started = time.monotonic()
         result = None
-        while result is None and time.monotonic() - started < self.cfg.averaging_timeout:
+        while (
+            result is None
+            and time.monotonic() - started < self.cfg.averaging_timeout
+            and not set(self.peers) <= set(self._peers_ahead(epoch))
+        ):
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 for buf, g in zip(buffers, grads, strict=True):
                     buf.copy_(g)
@@ -373,25 +388,27 @@ class StageCollaboration:
         with self.averager.get_tensors() as buffers:
             return [b.clone() for b in buffers]
 
-    def _copy_reference_state(self, n_samples: int) -> bool:
+    def _we_step_alone(self, n_samples: int) -> bool:
         """Compute thread, after a failed round of `self.epoch`, before any request sees our parameters.
 
-        One peer steps alone and the others copy it, so the stage stays one model, and the step kept is the best one
-        left: that of the live peer with the most samples behind its gradients (ties: the smallest peer id). Every peer
-        names the same one, because peers report their counts before they reply to a trainer, hence before the epoch
-        can end. True when we copied it; False when we are the reference, or it did not step in time (then we step
-        alone too and resync later)."""
+        One peer steps alone and the others copy it, so the stage stays one model. The reference is a peer that has
+        finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
+        the smallest peer id); every peer names the same one, because peers report their counts before they reply
+        to a trainer, hence before the epoch can end. True when we are the reference. Otherwise we wait for it to
+        step and copy its state; if it does not step in time we do not step at all: the epoch stays open (our
+        samples are dropped) and the next round, or a peer that finishes it, closes it."""
         epoch, me = self.epoch, self.sdht.peer_id
-        live = set(self.peers)  # copies: the event loop's thread updates them
+        live = set(self.peers)  # a copy: the event loop's thread updates it
         counts = {p: n for p, n in dict(self._counts.get(epoch, {})).items() if p in live}
         counts[me] = n_samples
-        reference = min(counts, key=lambda p: (-counts[p], p))
+        ahead = self._peers_ahead(epoch)
+        reference = ahead[0] if ahead else min(counts, key=lambda p: (-counts[p], p))
         if reference == me:
             logger.warning("stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
                            self.stage, epoch, n_samples)  # fmt: skip
-            return False
-        logger.warning("stage %d epoch %d: waiting for %s (%d samples) to step alone, to copy its state", self.stage,
-                       epoch, reference[-6:], counts[reference])  # fmt: skip
+            return True
+        logger.warning("stage %d epoch %d: copying the state of %s (%s) once it has stepped", self.stage, epoch,
+                       reference[-6:], "finished the epoch" if ahead else f"{counts[reference]} samples")  # fmt: skip
         self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
         try:
             deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
@@ -401,13 +418,13 @@ class StageCollaboration:
                 loaded = self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
                 if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
                     self._load(*loaded)
-                    return True
+                    return False
         except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
             self.averager.allow_state_sharing = True
-        logger.warning("stage %d epoch %d: no state to copy; stepping alone, will resync", self.stage, epoch)
-        self._needs_resync = True
+        logger.warning("stage %d epoch %d: no state to copy; the epoch stays open, %d samples dropped", self.stage,
+                       epoch, n_samples)  # fmt: skip
         return False
 
     async def _catch_up(self) -> None:

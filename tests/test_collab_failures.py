@@ -34,16 +34,23 @@ def server_config(initial_peers: list[str]) -> ServerConfig:
                         param_average_every=0, rebalance=False, torch_threads=1)  # fmt: skip
 
 
-async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samples():
-    """B processes the whole global batch; A none. B's compute thread is then busy for longer than A's all-reduce
-    waits, so the round fails on both. A must not step on its empty gradients: it waits for B (the peer with the
-    samples) to step alone and copies B's state. Both end at epoch 1 with the parameters of a single-process step."""
+@pytest.mark.parametrize("busy_peer", ["with_samples", "without_samples"])
+async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samples(busy_peer):
+    """B processes the whole global batch, A none. Then one of them is busy for longer than the other's all-reduce
+    waits, so the round fails on both.
+
+    - B busy: A must not step on its empty gradients; it waits for B (the peer with the samples) to step alone and
+      copies B's state.
+    - A busy: B steps alone. When A gets to the round, B has finished the epoch: A must copy B at once rather than
+      retry a round nobody is left for (a futile attempt lasts --averaging-timeout).
+
+    Both end at epoch 1 with the parameters of a single-process step on B's samples."""
     loop = asyncio.get_running_loop()
     boot = await loop.run_in_executor(None, start_dht)
     peers = [str(m) for m in boot.get_visible_maddrs()]
     servers: list[StageServer] = []
     try:
-        for _ in range(2):  # A first: it starts from the seed; B then downloads A's state (identical anyway)
+        for _ in range(2):  # the first starts from the seed; the second downloads its state (identical anyway)
             sdht = SwarmDHT(await loop.run_in_executor(None, start_dht, peers), "failtest")
             servers.append(StageServer(server_config(peers), MODEL, sdht, torch.device("cpu")))
             await servers[-1].enter(0)
@@ -56,13 +63,19 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
         tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len), generator=gen)
         grad_out = torch.randn(8, MODEL.max_seq_len, MODEL.d_model, generator=gen)
         await b.worker.submit(lambda: b.worker.backward(tokens, grad_outputs=grad_out))
-        busy = asyncio.ensure_future(b.worker.submit(lambda: time.sleep(1.5 * TIMEOUT)))
+        slow = b if busy_peer == "with_samples" else a
+        busy = asyncio.ensure_future(slow.worker.submit(lambda: time.sleep(1.5 * TIMEOUT)))
         started = time.monotonic()
-        await b.collab.after_backward()  # B tells A the batch is complete, then queues its round behind the sleep
+        await b.collab.after_backward()  # B tells A the batch is complete; the busy peer's round waits for the sleep
         await busy
+        free = time.monotonic()
         await wait_for_async(lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab._busy, 30,
                              "both peers to finish epoch 0")  # fmt: skip
-        print(f"\nround failed and the stage resynced in {time.monotonic() - started:.1f}s")
+        synced = time.monotonic()
+        print(f"\nround failed; the stage was one model again {synced - started:.1f}s after the batch ended, "
+              f"{synced - free:.1f}s after the busy peer was free")  # fmt: skip
+        if busy_peer == "without_samples":
+            assert synced - free < 0.8 * TIMEOUT, "the busy peer retried a round after its peer had finished it"
         assert not a.collab._needs_resync and not b.collab._needs_resync
 
         expected = StageWorker(Stage(MODEL, 0), server_config(peers), torch.device("cpu"))
