@@ -1,5 +1,6 @@
-"""`swarm-local`: a whole swarm on this machine. One DHT node, S stages x R servers and T trainers, each a separate
-OS process in its own process group on 127.0.0.1; a live progress line; a JSON summary; nothing left behind.
+"""`swarm-local`: a whole swarm on this machine. One DHT node, S stages with R servers each (or any allocation,
+e.g. 4,1,1, to watch the servers rebalance) and T trainers, each a separate OS process in its own process group on
+127.0.0.1; a live progress line; a JSON summary; nothing left behind.
 
 Every child runs in a new session (its own process group) because hivemind's DHT forks a child and a p2pd daemon that
 outlive a killed parent: stopping a peer means signalling its whole group.
@@ -36,7 +37,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 @dataclass(kw_only=True)
 class LocalConfig:
     stages: int = field(default=3, metadata={"help": "pipeline stages"})
-    servers_per_stage: int = field(default=2, metadata={"help": "servers per stage"})
+    servers_per_stage: str = field(
+        default="2", metadata={"help": "servers per stage: one count for all, or one per stage (4,1,1)"}
+    )
     trainers: int = field(default=2, metadata={"help": "trainer processes"})
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches in all (0: no limit)"})
     duration: float = field(default=180.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
@@ -52,10 +55,36 @@ class LocalConfig:
     )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
+    rebalance_period_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "servers' rebalancing period; a peer stays 2 periods on a stage it joined (try 15 with 4,1,1)"
+        },
+    )
+    slowdown: float = field(
+        default=1.0, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
+    )
 
     def __post_init__(self) -> None:
-        if min(self.stages, self.servers_per_stage, self.trainers) < 1:
-            raise ValueError("--stages, --servers-per-stage and --trainers must be >= 1")
+        if min(self.stages, self.trainers) < 1:
+            raise ValueError("--stages and --trainers must be >= 1")
+        if self.rebalance_period_s <= 0 or self.slowdown < 1:
+            raise ValueError("--rebalance-period-s must be > 0 and --slowdown >= 1")
+        self.allocation  # noqa: B018 -- validates --servers-per-stage
+
+    @property
+    def allocation(self) -> list[int]:
+        """Servers to start on each stage."""
+        try:
+            counts = [int(c) for c in self.servers_per_stage.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) == 1:
+            counts *= self.stages
+        if len(counts) != self.stages or min(counts) < 1:
+            raise ValueError(f"--servers-per-stage must be one count >= 1 or {self.stages} comma-separated counts "
+                             f"(one per stage), got {self.servers_per_stage!r}")  # fmt: skip
+        return counts
 
 
 @dataclass
@@ -197,14 +226,16 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
     model_args = ["--preset", cfg.preset, "--n-stages", str(cfg.stages)]
     tty = sys.stdout.isatty()
-    print(f"swarm-local: {cfg.stages} stages x {cfg.servers_per_stage} servers, {cfg.trainers} trainers; logs in "
-          f"{log_dir}", flush=True)  # fmt: skip
+    print(f"swarm-local: {cfg.stages} stages, servers {'/'.join(map(str, cfg.allocation))}, {cfg.trainers} trainers; "
+          f"logs in {log_dir}", flush=True)  # fmt: skip
     with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
         swarm.start_dht()
-        server_args = ["--samples-per-step", str(cfg.samples_per_step), "--lr", str(cfg.lr)]
+        server_args = ["--samples-per-step", str(cfg.samples_per_step), "--lr", str(cfg.lr),
+                       "--rebalance-period-s", str(cfg.rebalance_period_s),
+                       "--rebalance-cooldown-s", str(2 * cfg.rebalance_period_s), "--slowdown", str(cfg.slowdown)]  # fmt: skip
         server_args += ["--delay-optimizer-step"] if cfg.delay_optimizer_step else []
-        for stage in range(cfg.stages):
-            for r in range(cfg.servers_per_stage):
+        for stage, count in enumerate(cfg.allocation):
+            for r in range(count):
                 swarm.start_server(f"server-s{stage}-r{r}", stage, server_args)
         trainer_args = ["--batch-size", str(cfg.batch_size), "--in-flight", str(cfg.in_flight), "--codec", cfg.codec]
         for t in range(cfg.trainers):
