@@ -314,14 +314,18 @@ class StageCollaboration:
         """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
         epoch = self.epoch
         grads, n = self.worker.take_gradients()
+        if n == 0 and n_peers <= 1:  # our peers are gone (a count we were told died with them): nothing to step on
+            return
         averaged = self._average(grads, n, n_peers, epoch)
         if averaged is None and self._we_step_alone(n):
             averaged = grads
         if averaged is not None:
             self.worker.apply_gradients(averaged)
             self.epoch += 1
+        elif self.epoch == epoch:  # the round failed and no peer stepped: the epoch stays open, with our gradients
+            self.worker.return_gradients(grads, n)
         if self.epoch == epoch:
-            return  # the round failed and no peer has stepped yet: this epoch stays open (see _we_step_alone)
+            return
         if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
@@ -395,8 +399,8 @@ class StageCollaboration:
         finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
         the smallest peer id); every peer names the same one, because peers report their counts before they reply
         to a trainer, hence before the epoch can end. True when we are the reference. Otherwise we wait for it to
-        step and copy its state; if it does not step in time we do not step at all: the epoch stays open (our
-        samples are dropped) and the next round, or a peer that finishes it, closes it."""
+        step and copy its state; if it does not step in time we do not step at all: the epoch stays open, our
+        gradients stay accumulated, and the next round, or a peer that finishes the epoch, closes it."""
         epoch, me = self.epoch, self.sdht.peer_id
         live = set(self.peers)  # a copy: the event loop's thread updates it
         counts = {p: n for p, n in dict(self._counts.get(epoch, {})).items() if p in live}
@@ -423,8 +427,8 @@ class StageCollaboration:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
             self.averager.allow_state_sharing = True
-        logger.warning("stage %d epoch %d: no state to copy; the epoch stays open, %d samples dropped", self.stage,
-                       epoch, n_samples)  # fmt: skip
+        logger.warning("stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
+                       self.stage, epoch, n_samples)  # fmt: skip
         return False
 
     async def _catch_up(self) -> None:

@@ -99,6 +99,13 @@ class StageWorker:
         return grads, n
 
     @torch.no_grad()
+    def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:
+        """Compute thread only. Undo `take_gradients` (nothing ran in between): the epoch goes on accumulating."""
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.mul_(n) if n > 0 else None
+        self.samples_accumulated = n
+
+    @torch.no_grad()
     def apply_gradients(self, grads: list[torch.Tensor]) -> None:
         """Compute thread only. One optimizer step on `grads` (one per parameter, any device)."""
         with self.state_lock:

@@ -195,3 +195,22 @@ async def test_server_steps_after_samples_per_step():
         after = list(stages.workers[0].stage.parameters())
         assert all(p.grad is None for p in after), "gradients are cleared after the step"
         assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=False))
+
+
+def test_returned_gradients_accumulate_on_as_if_never_taken():
+    """After a failed round nobody stepped on, a peer puts its gradients back and the epoch goes on (server/collab.py)."""
+    cfg = tiny_test()
+    tokens, labels = batch(cfg, 0)
+    _, more_labels = batch(cfg, 1)
+    workers = [StageWorker(Stage(cfg, cfg.n_stages - 1), ServerConfig(), CPU) for _ in range(2)]
+    hidden = torch.randn(*tokens.shape, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    for w in workers:
+        w.backward(hidden, labels=labels)
+    workers[0].return_gradients(*workers[0].take_gradients())
+    for w in workers:
+        w.backward(hidden, labels=more_labels)
+    (got, n_got), (want, n_want) = (w.take_gradients() for w in workers)
+    assert n_got == n_want == 2 * tokens.shape[0]
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+    assert workers[0].param_version == 0
