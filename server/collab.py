@@ -92,11 +92,14 @@ class StageAverager(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind counts a round in which some reducers timed out as a success ("received 57% results"): the parts
-        they held stay local, and peers silently disagree. Make such a round fail, so that the caller retries it."""
+        they held stay local, and peers silently disagree. So is a round in which we excluded a sender that timed out
+        from the part we reduced. Make such a round fail, so that the caller retries it."""
         await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
+        if runner.banned_senders:  # their values are missing from the parts we reduced: other peers got them
+            raise AllreduceException(f"{len(runner.banned_senders)} peers' values were left out of our part")
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
@@ -356,6 +359,9 @@ class StageCollaboration:
         """Stage peers that have finished `epoch`, by peer id (any thread: copies the view the event loop updates)."""
         return sorted(p for p, (e, _) in dict(self.view).items() if e > epoch)
 
+    def _all_peers_ahead(self, epoch: int) -> bool:
+        return set(self.peers) <= set(self._peers_ahead(epoch))
+
     def _average(
         self, grads: list[torch.Tensor], n_samples: int, n_peers: int, epoch: int
     ) -> list[torch.Tensor] | None:
@@ -369,7 +375,7 @@ class StageCollaboration:
         while (
             result is None
             and time.monotonic() - started < self.cfg.averaging_timeout
-            and not set(self.peers) <= set(self._peers_ahead(epoch))
+            and not self._all_peers_ahead(epoch)
         ):
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 for buf, g in zip(buffers, grads, strict=True):
@@ -381,6 +387,12 @@ class StageCollaboration:
             except Exception as e:
                 control.cancel()
                 logger.warning("all-reduce attempt failed: %r", e)
+                # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
+                # round trip; a retry without them would wait the whole --averaging-timeout for a group (measured).
+                # Do not start one and cancel it instead: hivemind may still run a cancelled step with a later group.
+                grace = time.monotonic() + self.cfg.matchmaking_time / 2
+                while time.monotonic() < grace and not self._all_peers_ahead(epoch):
+                    time.sleep(0.01)
         if result is None:
             logger.warning("stage %d epoch %d: all-reduce with %d peers failed", self.stage, self.epoch, n_peers)
             return None
