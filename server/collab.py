@@ -138,6 +138,7 @@ class StageCollaboration:
         self._stopped = False
         self._needs_resync = False
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
+        self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         self._kick = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -250,8 +251,14 @@ class StageCollaboration:
                 await channel.close()
 
     async def _refresh_peers(self) -> None:
+        """The stage's peers as the DHT lists them. A peer we know that one read misses stays until a second read
+        misses it too: under load a record can be briefly absent, and forgetting a live peer (and the samples it
+        reported) stalls the stage until that peer next reports, which it does only after the epoch it waits for."""
         entries = await self.sdht.discover(self.stage)
-        self.peers = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        listed = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        missed = {p: a for p, a in self.peers.items() if p not in listed and p not in self._missed_once}
+        self._missed_once = set(missed)
+        self.peers = {**missed, **listed}
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
 
     async def _poll_forever(self) -> None:
