@@ -327,13 +327,11 @@ class StageCollaboration:
         if n == 0 and n_peers <= 1:  # our peers are gone (a count we were told died with them): nothing to step on
             return
         averaged = self._average(grads, n, n_peers, epoch)
-        if averaged is None and self._we_step_alone(n):
-            averaged = grads
+        if averaged is None:
+            averaged = self._after_failed_round(grads, n)
         if averaged is not None:
             self.worker.apply_gradients(averaged)
             self.epoch += 1
-        elif self.epoch == epoch:  # the round failed and no peer stepped: the epoch stays open, with our gradients
-            self.worker.return_gradients(grads, n)
         if self.epoch == epoch:
             return
         if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
@@ -411,14 +409,15 @@ class StageCollaboration:
         with self.averager.get_tensors() as buffers:
             return [b.clone() for b in buffers]
 
-    def _we_step_alone(self, n_samples: int) -> bool:
-        """Compute thread, after a failed round of `self.epoch`, before any request sees our parameters.
+    def _after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:
+        """Compute thread, after a failed round of `self.epoch`, before any request sees our parameters. Returns the
+        gradients to step alone on, or None: we copied a peer's state (the epoch moved on) or the epoch stays open.
 
         One peer steps alone and the others copy it, so the stage stays one model. The reference is a peer that has
         finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
         the smallest peer id); every peer names the same one, because peers report their counts before they reply
-        to a trainer, hence before the epoch can end. True when we are the reference. Otherwise we wait for it to
-        step and copy its state; if it does not step in time we do not step at all: the epoch stays open, our
+        to a trainer, hence before the epoch can end. The reference steps alone on its own gradients; the others
+        wait for it to step and copy its state; if it does not step in time we do not step at all: the epoch stays open, our
         gradients stay accumulated, and the next round, or a peer that finishes the epoch, closes it."""
         epoch, me = self.epoch, self.sdht.peer_id
         live = set(self.peers)  # a copy: the event loop's thread updates it
@@ -429,7 +428,7 @@ class StageCollaboration:
         if reference == me:
             logger.warning("stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
                            self.stage, epoch, n_samples)  # fmt: skip
-            return True
+            return grads
         logger.warning("stage %d epoch %d: copying the state of %s (%s) once it has stepped", self.stage, epoch,
                        reference[-6:], "finished the epoch" if ahead else f"{counts[reference]} samples")  # fmt: skip
         self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
@@ -441,14 +440,15 @@ class StageCollaboration:
                 loaded = self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
                 if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
                     self._load(*loaded)
-                    return False
+                    return None
         except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
             self.averager.allow_state_sharing = True
         logger.warning("stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
                        self.stage, epoch, n_samples)  # fmt: skip
-        return False
+        self.worker.return_gradients(grads, n_samples)
+        return None
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peers ahead of (or beside) us."""

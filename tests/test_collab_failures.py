@@ -76,7 +76,6 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
               f"{synced - free:.1f}s after the busy peer was free")  # fmt: skip
         if busy_peer == "without_samples":
             assert synced - free < 0.8 * TIMEOUT, "the busy peer retried a round after its peer had finished it"
-        assert not a.collab._needs_resync and not b.collab._needs_resync
 
         expected = StageWorker(Stage(MODEL, 0), server_config(peers), torch.device("cpu"))
         expected.backward(tokens, grad_outputs=grad_out)
