@@ -311,7 +311,8 @@ class StageCollaboration:
                 grads, n = await self.worker.submit(self.worker.take_gradients)
                 self.epoch = epoch + 1
                 loop = asyncio.get_running_loop()
-                averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers, epoch)
+                # epoch None: peers report the next epoch while this one is still being averaged in the background
+                averaged = await loop.run_in_executor(self._averaging_pool, self._average, grads, n, n_peers, None)
                 if averaged is None:
                     averaged, self._needs_resync = grads, True
                 await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
@@ -364,11 +365,12 @@ class StageCollaboration:
         """Stage peers that have finished `epoch`, by peer id (any thread: copies the view the event loop updates)."""
         return sorted(p for p, (e, _) in dict(self.view).items() if e > epoch)
 
-    def _all_peers_ahead(self, epoch: int) -> bool:
-        return set(self.peers) <= set(self._peers_ahead(epoch))
+    def _all_peers_ahead(self, epoch: int | None) -> bool:
+        """None: not known (delayed steps), so never."""
+        return epoch is not None and set(self.peers) <= set(self._peers_ahead(epoch))
 
     def _average(
-        self, grads: list[torch.Tensor], n_samples: int, n_peers: int, epoch: int
+        self, grads: list[torch.Tensor], n_samples: int, n_peers: int, epoch: int | None
     ) -> list[torch.Tensor] | None:
         """Weighted all-reduce of mean gradients (weight: samples behind them). None if the round failed, or if every
         peer has already finished the epoch (a round that ended for them and not for us: nobody is left to retry with).
@@ -395,7 +397,7 @@ class StageCollaboration:
                 # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
                 # round trip; a retry without them would wait the whole --averaging-timeout for a group (measured).
                 # Do not start one and cancel it instead: hivemind may still run a cancelled step with a later group.
-                grace = time.monotonic() + self.cfg.matchmaking_time / 2
+                grace = time.monotonic() + (self.cfg.matchmaking_time / 2 if epoch is not None else 0.0)
                 while time.monotonic() < grace and not self._all_peers_ahead(epoch):
                     time.sleep(0.01)
         if result is None:
