@@ -26,8 +26,17 @@ import grpc
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression
-from hivemind.utils import get_dht_time
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    Float16Compression,
+    NoCompression,
+    deserialize_tensor_stream,
+)
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
 
 from dht.node import SwarmDHT
 from server.config import ServerConfig
@@ -100,6 +109,37 @@ class StageAverager(DecentralizedAverager):
             raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
         if runner.banned_senders:  # their values are missing from the parts we reduced: other peers got them
             raise AllreduceException(f"{len(runner.banned_senders)} peers' values were left out of our part")
+
+    def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """Any thread. The state of one named peer of the stage, or None if it did not send one (it is not sharing,
+        or it is gone). Unlike `load_state_from_peers`, which downloads from whichever peer the DHT lists as sharing
+        with the highest priority: after a failed round only the peer that stepped has the right state, and the DHT
+        record can lag behind (seen in CI: a peer found no sharing peer for 30 s while its reference was live)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer_id=peer_id, timeout=timeout, future=future)))
+        return future.result(timeout=2 * timeout)
+
+    async def _download_state_from(self, peer_id: str, timeout: float, future: MPFuture) -> None:
+        """The averager's process: hivemind's state download RPC, addressed to one peer."""
+        metadata = None
+
+        async def parts(stream):
+            nonlocal metadata
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                yield [message.tensor_part]
+
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+            tensors = await deserialize_tensor_stream(
+                parts(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
+            )
+            future.set_result((metadata, tensors) if metadata else None)
+        except Exception as e:
+            logger.warning("downloading the state of %s failed: %r", peer_id[-6:], e)
+            if not future.done():
+                future.set_result(None)
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
@@ -436,13 +476,15 @@ class StageCollaboration:
         self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
         try:
             deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
-            while self.view.get(reference, (epoch, 0))[0] <= epoch and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if self.view.get(reference, (epoch, 0))[0] > epoch:
-                loaded = self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
+            while time.monotonic() < deadline:
+                if self.view.get(reference, (epoch, 0))[0] <= epoch:
+                    time.sleep(0.02)
+                    continue
+                loaded = self.averager.download_state(reference, timeout=self.cfg.averaging_timeout)
                 if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
                     self._load(*loaded)
                     return None
+                time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
         except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
@@ -453,10 +495,11 @@ class StageCollaboration:
         return None
 
     async def _catch_up(self) -> None:
-        """We missed an epoch, or stepped alone: take the state of the peers ahead of (or beside) us."""
+        """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
         others = {p: e for p, (e, _) in self.view.items()}
         ahead = max([self.epoch, *others.values()])
-        if self._needs_resync and not any(e > self.epoch for e in others.values()):
+        source = min((p for p, e in others.items() if e == ahead), default=None) if ahead > self.epoch else None
+        if self._needs_resync and source is None:
             if any(e < self.epoch for e in others.values()):
                 return  # a peer is still finishing this epoch (it may step alone too): decide once it has
             # several peers stepped alone at the same epoch: the smallest peer id is the reference, the others copy it
@@ -464,21 +507,25 @@ class StageCollaboration:
             if not same or self.sdht.peer_id < same[0]:
                 self._needs_resync = False
                 return
-        logger.info("stage %d: behind (epoch %d, swarm at %d) or diverged: downloading state", self.stage, self.epoch,
-                    ahead)  # fmt: skip
+            source = same[0]
+        logger.info("stage %d: behind (epoch %d, swarm at %d) or diverged: downloading the state of %s", self.stage,
+                    self.epoch, ahead, source[-6:])  # fmt: skip
         self._busy = True
         try:
-            if await self._download_state():
+            if await self._download_state(source):
                 self._needs_resync = False
         finally:
             self._busy = False
 
-    async def _download_state(self) -> bool:
+    async def _download_state(self, source: str | None = None) -> bool:
+        """From `source` (a peer id), else from whichever peer the DHT lists as sharing its state."""
         loop = asyncio.get_running_loop()
         for attempt in range(3):
-            loaded = await loop.run_in_executor(
-                self._averaging_pool, lambda: self.averager.load_state_from_peers(timeout=self.cfg.averaging_timeout)
-            )
+            if source is not None:
+                download = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
+            else:
+                download = functools.partial(self.averager.load_state_from_peers, timeout=self.cfg.averaging_timeout)
+            loaded = await loop.run_in_executor(self._averaging_pool, download)
             if loaded is not None:
                 meta, tensors = loaded
                 try:
