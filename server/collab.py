@@ -217,6 +217,11 @@ class StageCollaboration:
         logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers))
         if await self._download_state():
             return True
+        # hivemind chose no source: the DHT record of who shares state can lag behind (see `download_state`)
+        for peer_id in sorted(self.peers):
+            logger.info("stage %d: asking %s for its state by name", self.stage, peer_id[-6:])
+            if await self._download_state(peer_id, attempts=1):
+                return True
         logger.warning("stage %d: no peer sent its state", self.stage)
         return False
 
@@ -517,10 +522,10 @@ class StageCollaboration:
         finally:
             self._busy = False
 
-    async def _download_state(self, source: str | None = None) -> bool:
+    async def _download_state(self, source: str | None = None, attempts: int = 3) -> bool:
         """From `source` (a peer id), else from whichever peer the DHT lists as sharing its state."""
         loop = asyncio.get_running_loop()
-        for attempt in range(3):
+        for attempt in range(attempts):
             if source is not None:
                 download = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
             else:
@@ -533,7 +538,8 @@ class StageCollaboration:
                     return True
                 except (ValueError, KeyError, TypeError) as e:
                     logger.warning("downloaded state is unusable: %r", e)
-            await asyncio.sleep(1.0 + attempt)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(1.0 + attempt)
         return False
 
     def _load(self, meta: dict, tensors: list[torch.Tensor]) -> None:

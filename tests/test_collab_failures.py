@@ -3,6 +3,7 @@ real DHT, real hivemind averagers, real Progress RPCs) and a round that fails fo
 to join it in time."""
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -29,6 +30,29 @@ async def wait_for_async(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def hide_from_state_sharing(server: StageServer) -> None:
+    """Make the DHT record of who shares state say that `server` does not, for the rest of the test. That record can
+    lag (in CI, a peer found nobody sharing for 30 s while its stage peer was live): copying must not depend on it."""
+    key = f"{server.collab.averager.prefix}.all_averagers"
+    store = functools.partial(server.sdht.dht.store, key, None, get_dht_time() + 120,
+                              subkey=server.sdht.dht.peer_id.to_bytes())  # fmt: skip
+    assert await asyncio.get_running_loop().run_in_executor(None, store)
+
+
+async def start_server(initial_peers: list[str]) -> StageServer:
+    loop = asyncio.get_running_loop()
+    sdht = SwarmDHT(await loop.run_in_executor(None, start_dht, initial_peers), "failtest")
+    server = StageServer(server_config(initial_peers), MODEL, sdht, torch.device("cpu"))
+    await server.enter(0)
+    return server
+
+
+async def stop_servers(servers: list[StageServer]) -> None:
+    for server in reversed(servers):
+        await server.shutdown()
+        server.sdht.dht.shutdown()
+
+
 def server_config(initial_peers: list[str]) -> ServerConfig:
     return ServerConfig(stage="0", initial_peers=initial_peers, samples_per_step=8, clip_grad_norm=0.0,
                         matchmaking_time=0.5, averaging_timeout=TIMEOUT, progress_period=0.1, announce_period=1.0,
@@ -52,19 +76,12 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
     servers: list[StageServer] = []
     try:
         for _ in range(2):  # the first starts from the seed; the second downloads its state (identical anyway)
-            sdht = SwarmDHT(await loop.run_in_executor(None, start_dht, peers), "failtest")
-            servers.append(StageServer(server_config(peers), MODEL, sdht, torch.device("cpu")))
-            await servers[-1].enter(0)
+            servers.append(await start_server(peers))
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
         a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
         await wait_for_async(lambda: a.sdht.peer_id in b.collab.peers and b.sdht.peer_id in a.collab.peers, 30,
                              "the two peers to find each other")  # fmt: skip
-        # The DHT record of who shares state can lag (in CI, A found nobody sharing for 30 s while B was live): make
-        # B's say "not sharing" for the rest of the test. Copying B must not depend on that record.
-        key = f"{b.collab.averager.prefix}.all_averagers"
-        stored = await loop.run_in_executor(None, lambda: b.sdht.dht.store(
-            key, None, get_dht_time() + 120, subkey=b.sdht.dht.peer_id.to_bytes()))  # fmt: skip
-        assert stored
+        await hide_from_state_sharing(b)
 
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len), generator=gen)
@@ -93,7 +110,33 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             assert torch.allclose(pa, p, rtol=0, atol=1e-6), f"{name}: not the single-process step"
         assert a.worker.param_version == b.worker.param_version == 1
     finally:
-        for server in reversed(servers):
-            await server.shutdown()
-            server.sdht.dht.shutdown()
+        await stop_servers(servers)
+        boot.shutdown()
+
+
+async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state():
+    """hivemind's `load_state_from_peers` finds no source when the DHT record of who shares state lacks the stage's
+    peers; a joiner must still take the stage's state (by asking its peers by name), not start from the seed."""
+    loop = asyncio.get_running_loop()
+    boot = await loop.run_in_executor(None, start_dht)
+    peers = [str(m) for m in boot.get_visible_maddrs()]
+    servers: list[StageServer] = []
+    try:
+        servers.append(await start_server(peers))
+        a = servers[0]
+        tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len), generator=torch.Generator().manual_seed(2))
+        await a.worker.submit(
+            lambda: a.worker.backward(tokens, grad_outputs=torch.ones(8, MODEL.max_seq_len, MODEL.d_model))
+        )
+        await a.collab.after_backward()  # alone in its stage: steps at once
+        assert a.collab.epoch == 1
+        await hide_from_state_sharing(a)
+
+        servers.append(await start_server(peers))
+        b = servers[1]
+        assert b.collab.epoch == 1, "the joiner started from the seed instead of the stage's state"
+        for (name, pa), pb in zip(a.worker.stage.named_parameters(), b.worker.stage.parameters(), strict=True):
+            assert torch.equal(pa, pb), f"{name}: the joiner holds different parameters"
+    finally:
+        await stop_servers(servers)
         boot.shutdown()
