@@ -117,7 +117,11 @@ class StageAverager(DecentralizedAverager):
         record can lag behind (seen in CI: a peer found no sharing peer for 30 s while its reference was live)."""
         future = MPFuture()
         self._outer_pipe.send(("_download_state_from", [], dict(peer_id=peer_id, timeout=timeout, future=future)))
-        return future.result(timeout=2 * timeout)
+        try:
+            return future.result(timeout=2 * timeout)
+        except TimeoutError:  # the peer, or our averager process, hung: seen in CI after a hivemind step hung
+            logger.warning("%s sent no state within %.0fs", peer_id[-6:], 2 * timeout)
+            return None
 
     async def _download_state_from(self, peer_id: str, timeout: float, future: MPFuture) -> None:
         """The averager's process: hivemind's state download RPC, addressed to one peer."""
@@ -490,7 +494,7 @@ class StageCollaboration:
                     self._load(*loaded)
                     return None
                 time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
-        except (ValueError, KeyError, TypeError, AttributeError, TimeoutError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # a state we could not load
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
             self.averager.allow_state_sharing = True
@@ -525,12 +529,15 @@ class StageCollaboration:
     async def _download_state(self, source: str | None = None, attempts: int = 3) -> bool:
         """From `source` (a peer id), else from whichever peer the DHT lists as sharing its state."""
         loop = asyncio.get_running_loop()
+        if source is not None:
+            download = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
+        else:
+            download = functools.partial(self.averager.load_state_from_peers, timeout=self.cfg.averaging_timeout)
         for attempt in range(attempts):
-            if source is not None:
-                download = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
-            else:
-                download = functools.partial(self.averager.load_state_from_peers, timeout=self.cfg.averaging_timeout)
-            loaded = await loop.run_in_executor(self._averaging_pool, download)
+            try:
+                loaded = await loop.run_in_executor(self._averaging_pool, download)
+            except TimeoutError:  # hivemind's load_state_from_peers raises it where download_state returns None
+                loaded = None
             if loaded is not None:
                 meta, tensors = loaded
                 try:

@@ -3,6 +3,7 @@ real DHT, real hivemind averagers, real Progress RPCs) and a round that fails fo
 to join it in time."""
 
 import asyncio
+import contextlib
 import functools
 import time
 
@@ -47,10 +48,18 @@ async def start_server(initial_peers: list[str]) -> StageServer:
     return server
 
 
-async def stop_servers(servers: list[StageServer]) -> None:
-    for server in reversed(servers):
-        await server.shutdown()
-        server.sdht.dht.shutdown()
+@contextlib.asynccontextmanager
+async def stage_servers():
+    """Yields (initial peers, a list to append started servers to); stops them all and the bootstrap DHT."""
+    boot = await asyncio.get_running_loop().run_in_executor(None, start_dht)
+    servers: list[StageServer] = []
+    try:
+        yield [str(m) for m in boot.get_visible_maddrs()], servers
+    finally:
+        for server in reversed(servers):
+            await server.shutdown()
+            server.sdht.dht.shutdown()
+        boot.shutdown()
 
 
 def server_config(initial_peers: list[str]) -> ServerConfig:
@@ -70,11 +79,7 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
       retry a round nobody is left for (a futile attempt lasts --averaging-timeout).
 
     Both end at epoch 1 with the parameters of a single-process step on B's samples."""
-    loop = asyncio.get_running_loop()
-    boot = await loop.run_in_executor(None, start_dht)
-    peers = [str(m) for m in boot.get_visible_maddrs()]
-    servers: list[StageServer] = []
-    try:
+    async with stage_servers() as (peers, servers):
         for _ in range(2):  # the first starts from the seed; the second downloads its state (identical anyway)
             servers.append(await start_server(peers))
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
@@ -109,19 +114,12 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             assert torch.equal(pa, pb), f"{name}: the peers hold different parameters"
             assert torch.allclose(pa, p, rtol=0, atol=1e-6), f"{name}: not the single-process step"
         assert a.worker.param_version == b.worker.param_version == 1
-    finally:
-        await stop_servers(servers)
-        boot.shutdown()
 
 
 async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state():
     """hivemind's `load_state_from_peers` finds no source when the DHT record of who shares state lacks the stage's
     peers; a joiner must still take the stage's state (by asking its peers by name), not start from the seed."""
-    loop = asyncio.get_running_loop()
-    boot = await loop.run_in_executor(None, start_dht)
-    peers = [str(m) for m in boot.get_visible_maddrs()]
-    servers: list[StageServer] = []
-    try:
+    async with stage_servers() as (peers, servers):
         servers.append(await start_server(peers))
         a = servers[0]
         tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len), generator=torch.Generator().manual_seed(2))
@@ -137,6 +135,3 @@ async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state
         assert b.collab.epoch == 1, "the joiner started from the seed instead of the stage's state"
         for (name, pa), pb in zip(a.worker.stage.named_parameters(), b.worker.stage.parameters(), strict=True):
             assert torch.equal(pa, pb), f"{name}: the joiner holds different parameters"
-    finally:
-        await stop_servers(servers)
-        boot.shutdown()
