@@ -1,5 +1,5 @@
 """The stage's local optimizer and learning-rate schedule. All peers of a stage build the same one; they keep it
-identical by stepping on identical averaged gradients (server/collab.py)."""
+identical by stepping on identical averaged gradients (server/collab/)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The gRPC face of a stage: parse, validate, enforce the deadline, delegate to the worker, encode the reply.
 
-Nothing that arrives is trusted. Headers are checked before payloads are buffered (swarm.wire), tensors are checked
+Nothing that arrives is trusted. Headers are checked before payloads are buffered (swarm.protocol.frames), tensors are checked
 against the stage's schema after decoding (this module), and a bad request ends in INVALID_ARGUMENT for that call only.
 """
 
@@ -16,20 +16,12 @@ import torch
 
 from server.collab import LocalSteps, StageCollaboration
 from server.worker import DeadlineExpired, StageWorker
-from swarm import wire_pb2 as pb
 from swarm.compression import CODECS_BY_WIRE
 from swarm.config import ModelConfig
-from swarm.wire import (
-    PROTOCOL_VERSION,
-    SERVICE,
-    Call,
-    Limits,
-    WireError,
-    decode_tensor,
-    encode_tensor,
-    iter_frames,
-    read_call,
-)
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import Call, Limits, iter_frames, read_call
+from swarm.protocol.rpc import PROTOCOL_VERSION, stage_handler
+from swarm.protocol.tensors import WireError, decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
 Collaboration = LocalSteps | StageCollaboration
@@ -107,19 +99,7 @@ class StageService:
         self.paused = reason
 
     def handler(self) -> grpc.GenericRpcHandler:
-        stream = dict(request_deserializer=None, response_serializer=None)  # frames are bytes both ways (swarm.wire)
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Forward": grpc.stream_stream_rpc_method_handler(self.forward, **stream),
-            "Backward": grpc.stream_stream_rpc_method_handler(self.backward, **stream),
-            "Progress": grpc.unary_unary_rpc_method_handler(
-                self.progress, request_deserializer=pb.StageProgress.FromString,
-                response_serializer=pb.ProgressAck.SerializeToString,
-            ),
-            "Info": grpc.unary_unary_rpc_method_handler(
-                self.info, request_deserializer=pb.InfoRequest.FromString,
-                response_serializer=pb.InfoReply.SerializeToString,
-            ),
-        })  # fmt: skip
+        return stage_handler(self.forward, self.backward, self.info, self.progress)
 
     async def forward(self, raw_frames, context: grpc.aio.ServicerContext):
         async for frame in self._serve(raw_frames, context, backward=False):
@@ -154,10 +134,10 @@ class StageService:
         self.active_calls += 1
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await read_call(raw_frames, limits)  # raw frames: swarm.wire parses them, one payload copy
+            call = await read_call(raw_frames, limits)  # raw frames: swarm.protocol.frames parses them, one payload copy
             reply = await worker.submit(lambda: self._compute(call, backward), deadline)
             if backward:
-                await collab.after_backward()  # publishes progress; may end the epoch (see server/collab.py)
+                await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)

@@ -3,7 +3,7 @@
 Requests run one at a time in arrival order, so a backward and an optimizer step never interleave. Gradients of each
 microbatch are added to `.grad` weighted by its sample count; `take_gradients` turns the sum into a mean and starts a
 new accumulation, `apply_gradients` clips, steps and bumps `param_version`. When to do either is decided elsewhere
-(server/collab.py): alone, or after averaging with the stage's other peers.
+(server/collab/): alone, or after averaging with the stage's other peers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from server.config import ServerConfig
 from server.optim import build_optimizer, build_schedule
+from swarm.devices import synchronize
 from swarm.model import Stage
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 
@@ -173,8 +174,7 @@ class StageWorker:
         """
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":  # kernels run asynchronously: time them, not their launches
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # kernels run asynchronously: time them, not their launches
         elapsed = time.perf_counter() - start
         if self.cfg.slowdown > 1.0:
             key = (kind, n_samples)

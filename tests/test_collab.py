@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from server.export import export_model
 from swarm.compression import get_codec
 from swarm.config import model_config
-from swarm.local import LocalSwarm
 from swarm.model import GPT
-from swarm.wire import WireStats
+from swarm.protocol.tensors import WireStats
+from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
 from trainer.client import StageClient
 from trainer.data import load_corpus, microbatches
@@ -98,7 +98,7 @@ def test_swarm_matches_single_process_training_and_8bit_stays_close(tmp_path):
     # so every step differs by rounding. Rounding noise grows chaotically with training: the single-process run
     # itself, with 1e-7 relative noise on its gradients, drifts 1e-7 in 20 steps but 5e-4 by step 46 (measured).
     # hivemind sometimes fails a round (a follower gives up on its leader under load); then the stage's peer with the
-    # most samples steps alone and the others copy it (server/collab.py, tests/test_collab_failures.py), which costs
+    # most samples steps alone and the others copy it (server/collab/, tests/test_collab_failures.py), which costs
     # the other peers' samples of that step, nothing when they had none: a failed round at step 2 left the first 20
     # steps within 1.1e-7. Before that rule, stepping on empty gradients cost 1.2e-2 (a CI failure).
     # tests/test_averaging.py catches a no-op averager.

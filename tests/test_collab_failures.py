@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT, start_dht
 from server.config import ServerConfig
-from server.main import StageServer
+from server.stage_server import StageServer
 from server.worker import StageWorker
 from swarm.config import model_config
 from swarm.model import Stage

@@ -8,18 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import wire_pb2 as pb
 from swarm.compression import CODECS, get_codec
-from swarm.wire import (
-    PROTOCOL_VERSION,
-    Limits,
-    WireError,
-    WireStats,
-    decode_tensor,
-    encode_tensor,
-    iter_frames,
-    read_call,
-)
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import Limits, iter_frames, read_call
+from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.tensors import WireError, WireStats, decode_tensor, encode_tensor
 
 # Bounds are relative to the tensor's RMS, for Gaussian data. fp16 has an 11-bit mantissa (2^-11 relative per value);
 # dynamic 8-bit blockwise quantisation keeps ~1e-2 relative RMS error (Dettmers et al., 8-bit optimizers).
@@ -103,8 +96,8 @@ def test_generated_code_matches_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(root), f"--python_out={tmp_path}", "swarm/wire.proto"],
+        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(root), f"--python_out={tmp_path}", "swarm/protocol/wire.proto"],
         check=True,
     )
-    generated = (tmp_path / "swarm" / "wire_pb2.py").read_text()
-    assert generated == (root / "swarm" / "wire_pb2.py").read_text(), "regenerate swarm/wire_pb2.py (see wire.proto)"
+    generated = (tmp_path / "swarm" / "protocol" / "wire_pb2.py").read_text()
+    assert generated == (root / "swarm" / "protocol" / "wire_pb2.py").read_text(), "regenerate swarm/protocol/wire_pb2.py (see wire.proto)"

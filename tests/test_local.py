@@ -2,7 +2,7 @@
 
 import pytest
 
-from swarm.local import LocalConfig, main
+from swarm.tools.local import LocalConfig, main
 
 
 def test_servers_per_stage_takes_one_count_or_one_per_stage():

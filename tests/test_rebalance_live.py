@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.local import LocalSwarm
+from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.integration]

@@ -8,66 +8,23 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.collab import LocalSteps
 from server.config import ServerConfig
-from server.main import start_grpc
-from server.service import StageSchema, StageService
 from server.worker import StageWorker
-from swarm import wire_pb2 as pb
 from swarm.compression import get_codec
 from swarm.config import tiny_test
 from swarm.model import GPT, Stage
-from swarm.wire import PROTOCOL_VERSION, SERVICE, WireStats, encode_tensor, iter_frames
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import iter_frames
+from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, StageStub, aio_channel
+from swarm.protocol.tensors import WireStats, encode_tensor
+from tests.stages import CPU, InProcessStages, random_batch, run_microbatch
 from trainer.client import StageClient
 
 pytestmark = pytest.mark.timeout(120)
-CPU = torch.device("cpu")
 
 
 def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
-
-
-class LocalStages:
-    """One gRPC server per stage, no DHT: enough to exercise transport, validation and the stage math."""
-
-    def __init__(self, cfg, samples_per_step=10**9, max_batch=8):
-        self.cfg = cfg
-        server_cfg = ServerConfig(samples_per_step=samples_per_step, max_batch_size=max_batch)
-        self.workers = [StageWorker(Stage(cfg, i), server_cfg, CPU) for i in range(cfg.n_stages)]
-        self.services = [StageService(w, StageSchema(cfg, i, max_batch), LocalSteps(w, samples_per_step))
-                         for i, w in enumerate(self.workers)]  # fmt: skip
-
-    async def __aenter__(self):
-        self.servers, self.addresses = [], []
-        for service in self.services:
-            server, _, port = await start_grpc(service, "127.0.0.1", 0)
-            self.servers.append(server)
-            self.addresses.append(f"127.0.0.1:{port}")
-        return self
-
-    async def __aexit__(self, *exc):
-        for server in self.servers:
-            await server.stop(grace=None)
-        for worker in self.workers:
-            worker.shutdown()
-
-
-async def run_microbatch(stages: LocalStages, client: StageClient, tokens, labels) -> float:
-    cfg, acts = stages.cfg, [tokens]
-    hidden = (*tokens.shape, cfg.d_model)
-    for s in range(cfg.n_stages - 1):
-        reply = await client.call(stages.addresses[s], "Forward", s, "m", {"inputs": acts[-1]}, hidden, 30)
-        acts.append(reply.tensor)
-    last = cfg.n_stages - 1
-    reply = await client.call(stages.addresses[last], "Backward", last, "m", {"inputs": acts[-1], "labels": labels},
-                              hidden, 30)  # fmt: skip
-    loss, grad = reply.loss, reply.tensor
-    for s in reversed(range(last)):
-        expect = hidden if s else None
-        grad = (await client.call(stages.addresses[s], "Backward", s, "m", {"inputs": acts[s], "grad_outputs": grad},
-                                  expect, 30)).tensor  # fmt: skip
-    return loss
 
 
 def reference(cfg, tokens, labels):
@@ -77,21 +34,15 @@ def reference(cfg, tokens, labels):
     return loss.item(), model
 
 
-def batch(cfg, seed=0, b=4):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, cfg.vocab_size, (b, cfg.max_seq_len), generator=gen),
-            torch.randint(0, cfg.vocab_size, (b, cfg.max_seq_len), generator=gen))  # fmt: skip
-
-
 async def grads_through_grpc(cfg, codec: str):
-    tokens, labels = batch(cfg)
+    tokens, labels = random_batch(cfg, 4)
     stats = WireStats()
     client = StageClient(get_codec(codec), stats, max_tensor_bytes=1 << 26)
-    async with LocalStages(cfg) as stages:
+    async with InProcessStages(cfg) as stages:
         loss = await run_microbatch(stages, client, tokens, labels)
         await client.close()
         # servers accumulate sample-weighted sums (divided by the sample count at the step): one microbatch of B
-        grads = [[p.grad / tokens.shape[0] for p in w.stage.parameters()] for w in stages.workers]
+        grads = [[p.grad / tokens.shape[0] for p in w.stage.parameters()] for w in stages.workers.values()]
     loss_ref, model = reference(cfg, tokens, labels)
     errors = [
         rel_err(g, p.grad)
@@ -125,7 +76,7 @@ async def test_grpc_blockwise8_gradients_close_and_bytes_saved():
 
 
 async def raw_call(address, method, frames_or_bytes, timeout=10):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address) as channel:
         serializer = None if frames_or_bytes and isinstance(frames_or_bytes[0], bytes) else pb.Frame.SerializeToString
         rpc = channel.stream_stream(f"/{SERVICE}/{method}", request_serializer=serializer,
                                     response_deserializer=pb.Frame.FromString)  # fmt: skip
@@ -155,7 +106,7 @@ async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():
         "wrong stage": frames(2, {"inputs": good_hidden}),
         "ids out of vocab": "stage0",
     }
-    async with LocalStages(cfg) as stages:
+    async with InProcessStages(cfg) as stages:
         for name, request in bad.items():
             address, request = stages.addresses[1], request
             if request == "stage0":
@@ -174,34 +125,32 @@ async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert all(p.grad is None for p in stages.workers[last].stage.parameters())
 
-        async with grpc.aio.insecure_channel(stages.addresses[0]) as channel:
+        async with aio_channel(stages.addresses[0]) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            info_rpc = channel.unary_unary(f"/{SERVICE}/Info", request_serializer=pb.InfoRequest.SerializeToString,
-                                           response_deserializer=pb.InfoReply.FromString)  # fmt: skip
-            reply = await info_rpc(pb.InfoRequest(), timeout=5)
+            reply = await StageStub(channel).info(pb.InfoRequest(), timeout=5)
             assert (reply.stage, reply.n_stages, reply.protocol_version) == (0, cfg.n_stages, PROTOCOL_VERSION)
 
 
 async def test_server_steps_after_samples_per_step():
     cfg = tiny_test()
     client = StageClient(get_codec("none"), WireStats(), max_tensor_bytes=1 << 26)
-    async with LocalStages(cfg, samples_per_step=8) as stages:
+    async with InProcessStages(cfg, samples_per_step=8) as stages:
         before = [p.detach().clone() for p in stages.workers[0].stage.parameters()]
         for seed in range(2):
-            await run_microbatch(stages, client, *batch(cfg, seed))  # 4 samples each
+            await run_microbatch(stages, client, *random_batch(cfg, 4, seed))  # 4 samples each
         await client.close()
-        assert [w.param_version for w in stages.workers] == [1] * cfg.n_stages
+        assert [w.param_version for w in stages.workers.values()] == [1] * cfg.n_stages
         after = list(stages.workers[0].stage.parameters())
         assert all(p.grad is None for p in after), "gradients are cleared after the step"
         assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=False))
 
 
 def test_returned_gradients_accumulate_on_as_if_never_taken():
-    """After a failed round nobody stepped on, a peer puts its gradients back and the epoch goes on (server/collab.py)."""
+    """After a failed round nobody stepped on, a peer puts its gradients back and the epoch goes on (server/collab/)."""
     cfg = tiny_test()
-    tokens, labels = batch(cfg, 0)
-    _, more_labels = batch(cfg, 1)
+    tokens, labels = random_batch(cfg, 4, 0)
+    _, more_labels = random_batch(cfg, 4, 1)
     workers = [StageWorker(Stage(cfg, cfg.n_stages - 1), ServerConfig(), CPU) for _ in range(2)]
     hidden = torch.randn(*tokens.shape, cfg.d_model, generator=torch.Generator().manual_seed(0))
     for w in workers:

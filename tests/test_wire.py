@@ -1,4 +1,4 @@
-"""The hand-written Frame encoder and parser (swarm.wire) against protobuf's own serializer and parser.
+"""The hand-written Frame encoder and parser (swarm.protocol.frames) against protobuf's own serializer and parser.
 
 They exist to copy each payload once instead of several times; these tests pin that the bytes stay plain `Frame`
 protobuf both ways, so that peers with either implementation interoperate."""
@@ -11,20 +11,11 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from swarm import wire_pb2 as pb
 from swarm.compression import get_codec
-from swarm.wire import (
-    PROTOCOL_VERSION,
-    Limits,
-    WireError,
-    _varint,
-    decode_tensor,
-    encode_frame,
-    encode_tensor,
-    iter_frames,
-    parse_frame,
-    read_call,
-)
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import Limits, _varint, encode_frame, iter_frames, parse_frame, read_call
+from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.tensors import WireError, decode_tensor, encode_tensor
 
 META = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id="mb-7", stage=2, reply_codec=pb.CODEC_FLOAT16)
 HEADER = pb.TensorHeader(name="inputs", codec=pb.CODEC_NONE, dtype=pb.DTYPE_FLOAT32, shape=[2, 3, 4], payload_bytes=96)

@@ -9,21 +9,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm import wire_pb2 as pb
 from swarm.compression import Codec
-from swarm.wire import (
-    GRPC_OPTIONS,
-    PROTOCOL_VERSION,
-    SERVICE,
-    EncodedTensor,
-    Limits,
-    WireError,
-    WireStats,
-    decode_tensor,
-    encode_tensor,
-    iter_frames,
-    read_call,
-)
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import Limits, iter_frames, read_call
+from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
 
 TRAFFIC_CLASS = {"inputs": "activations", "outputs": "activations", "grad_outputs": "gradients",
                  "grad_inputs": "gradients", "labels": "tokens"}  # fmt: skip
@@ -47,13 +37,15 @@ class StageClient:
     def __init__(self, codec: Codec, stats: WireStats, max_tensor_bytes: int):
         self.codec, self.stats = codec, stats
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.stubs: dict[str, StageStub] = {}
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
         self.reply_limits = Limits(max_tensor_bytes, frozenset({"outputs", "grad_inputs"}))
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _stub(self, address: str) -> StageStub:
         if address not in self.channels:
-            self.channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        return self.channels[address]
+            self.channels[address] = aio_channel(address)
+            self.stubs[address] = StageStub(self.channels[address])
+        return self.stubs[address]
 
     async def call(
         self, address: str, method: str, stage: int, microbatch_id: str, tensors: dict[str, torch.Tensor],
@@ -68,9 +60,8 @@ class StageClient:
             self.stats.add(traffic_class(enc), enc)
         meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
                            reply_codec=self.codec.wire)  # fmt: skip
-        # frames are bytes both ways: swarm.wire encodes and parses them, copying each payload chunk once
-        rpc = self._channel(address).stream_stream(f"/{SERVICE}/{method}")
-        call = rpc(iter_frames(meta, encoded), timeout=timeout)
+        # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
+        call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         tensor = None
         if reply.tensors:

@@ -24,10 +24,11 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from swarm.compression import get_codec
 from swarm.config import ModelConfig
-from swarm.wire import WireError, WireStats
+from swarm.protocol.tensors import WireError, WireStats
 from trainer.client import StageClient
 from trainer.config import TrainerConfig
 from trainer.routing import StageRouter
+from trainer.schedule import train_microbatch
 
 logger = logging.getLogger("swarm.trainer")
 LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
@@ -105,17 +106,10 @@ class Trainer:
         stop.set()
 
     async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        B, T = tokens.shape
-        hidden_shape = (B, T, self.model_cfg.d_model)
-        acts = [tokens]
-        for s in range(self.n_stages - 1):
-            acts.append((await self._call(s, "Forward", mb_id, {"inputs": acts[-1]}, hidden_shape)).tensor)
-        last = self.n_stages - 1
-        reply = await self._call(last, "Backward", mb_id, {"inputs": acts[-1], "labels": labels}, acts[-1].shape)
-        loss, grad = reply.loss, reply.tensor
-        for s in reversed(range(last)):
-            expect = None if s == 0 else tuple(acts[s].shape)
-            grad = (await self._call(s, "Backward", mb_id, {"inputs": acts[s], "grad_outputs": grad}, expect)).tensor
+        async def call(stage, method, tensors, expect_shape):
+            return await self._call(stage, method, mb_id, tensors, expect_shape)
+
+        loss = await train_microbatch(call, self.n_stages, self.model_cfg.d_model, tokens, labels)
         if loss is None or not math.isfinite(loss):
             raise MicrobatchLost(f"last stage returned loss {loss}")
         return loss

@@ -1,6 +1,6 @@
 """Pipeline efficiency: a local swarm's samples/s against the best case, the same stages in one process.
 
-Swarm: `swarm.local.LocalSwarm`, one DHT node, one server per stage, one trainer (`--in-flight` microbatches), codec
+Swarm: `swarm.tools.local.LocalSwarm`, one DHT node, one server per stage, one trainer (`--in-flight` microbatches), codec
 none and blockwise8, for shared (`--share-layers`) and unshared blocks. One layout's servers run at a time (idle
 servers still announce and poll the DHT, which is not free on 2 cores); trainers are started one at a time and measured
 over a window of their own progress after a warm-up.
@@ -31,11 +31,12 @@ import time
 import torch
 
 from swarm.config import ModelConfig, model_config
+from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
 from swarm.pipeline import stage_backward, stage_forward
 from tests.benchmarks import common, swarmrun
 from tests.benchmarks.bench_wire import codec_fraction
-from tests.benchmarks.stages import random_batch
+from tests.stages import random_batch
 
 TARGET = 0.80
 CODECS = ("none", "blockwise8")
@@ -72,12 +73,12 @@ def best_case(cfg: ModelConfig, device: torch.device, batch_size: int, samples_p
         torch.set_num_threads(threads)
         try:
             microbatch()  # warm-up under this thread count
-            common.sync(device)
+            synchronize(device)
             n, start, cpu = 0, time.perf_counter(), time.process_time()
             while time.perf_counter() - start < seconds:
                 microbatch()
                 n += 1
-            common.sync(device)
+            synchronize(device)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             return {"wall": n * batch_size / wall, "cpu": n * batch_size / cpu}
         finally:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--server-args", default="", help="extra flags for every server, e.g. '--solo'")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
-    device = common.resolve_device(args.device)
+    device = resolve_device(args.device)
     repeats = args.repeats or (1 if args.quick else 3)
     window = args.window or (5.0 if args.quick else 15.0)
     cores = len(os.sched_getaffinity(0))

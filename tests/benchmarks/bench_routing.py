@@ -35,7 +35,7 @@ import torch
 
 from swarm.compression import get_codec
 from swarm.config import model_config
-from swarm.wire import WireStats
+from swarm.protocol.tensors import WireStats
 from tests.benchmarks import common, swarmrun
 from trainer.client import StageClient
 

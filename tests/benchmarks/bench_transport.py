@@ -10,7 +10,7 @@ The raw echo is a stream-stream service that returns each bytes message it gets,
 sends the same payload in the same 2 MiB messages and reads them back. It copies nothing in Python (its chunks are built
 once, its server returns the objects it received); the stage RPC turns each tensor into bytes, copies them into frames
 and out of frames into one buffer, in both directions, and checks that the tensors are finite. Both run in this process,
-on one event loop, with the same channel and server options (swarm.wire.GRPC_OPTIONS), one call at a time, interleaved.
+on one event loop, with the same channel and server options (swarm.protocol.rpc.GRPC_OPTIONS), one call at a time, interleaved.
 
     python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
 """
@@ -26,9 +26,10 @@ import uvloop
 from server.worker import StageWorker
 from swarm.compression import get_codec
 from swarm.config import ModelConfig
-from swarm.wire import CHUNK_BYTES, GRPC_OPTIONS, WireStats
+from swarm.protocol.rpc import CHUNK_BYTES, aio_channel, aio_server, bind
+from swarm.protocol.tensors import WireStats
 from tests.benchmarks import common
-from tests.benchmarks.stages import InProcessStages
+from tests.stages import InProcessStages
 from trainer.client import StageClient
 
 SHAPE = (4, 512, 1024)
@@ -49,10 +50,10 @@ async def echo(requests, context):
 
 
 async def start_echo_server() -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = aio_server()  # the stage server's options
     handler = grpc.stream_stream_rpc_method_handler(echo)  # bytes in, bytes out
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})])
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = bind(server, "127.0.0.1", 0)
     await server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -71,7 +72,7 @@ async def run(repeats: int) -> dict:
     }
     payload_bytes = {name: get_codec(name).encode(x)[1].__len__() for name in clients}
     echo_server, echo_address = await start_echo_server()
-    channel = grpc.aio.insecure_channel(echo_address, options=GRPC_OPTIONS)
+    channel = aio_channel(echo_address)
     echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
     try:
         async with InProcessStages(cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1],

@@ -23,11 +23,12 @@ import torch
 
 from swarm.compression import CODECS, get_codec
 from swarm.config import PRESETS, ModelConfig, model_config
+from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
 from swarm.pipeline import stage_backward, stage_forward
-from swarm.wire import WireStats, decode_tensor, encode_tensor
+from swarm.protocol.tensors import WireStats, decode_tensor, encode_tensor
 from tests.benchmarks import common
-from tests.benchmarks.stages import InProcessStages, random_batch, run_microbatch
+from tests.stages import InProcessStages, random_batch, run_microbatch
 from trainer.client import StageClient
 
 ACTIVATION_SHAPE = (4, 512, 1024)  # the transport benchmark's "realistic activation"
@@ -102,7 +103,7 @@ def codec_speed(device: torch.device, repeats: int) -> dict:
     def copy() -> float:  # memcpy into a preallocated tensor: the memory-bandwidth reference
         start = time.perf_counter()
         dst.copy_(x)
-        common.sync(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     def round_trip(codec_name: str):
@@ -114,7 +115,7 @@ def codec_speed(device: torch.device, repeats: int) -> dict:
             enc = encode_tensor("outputs", x, codec)  # payload is host bytes, as on the wire
             t1 = time.perf_counter()
             decode_tensor(enc, device)
-            common.sync(device)
+            synchronize(device)
             t2 = time.perf_counter()
             parts[codec_name]["encode"].append(t1 - t0)
             parts[codec_name]["decode"].append(t2 - t1)
@@ -157,7 +158,7 @@ def codec_fraction(cfg: ModelConfig, device: torch.device, batch_size: int, repe
             stage_backward(stage, x, labels=labels)
         else:
             stage_backward(stage, x, grad_outputs=g)
-        common.sync(device)
+        synchronize(device)
         stage.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
@@ -170,7 +171,7 @@ def codec_fraction(cfg: ModelConfig, device: torch.device, batch_size: int, repe
             encs = [encode_tensor("t", x, codec) for _ in range(2)]  # outputs (Forward), grad_inputs (Backward)
             for _ in range(3):  # inputs (Forward), inputs and grad_outputs (Backward)
                 decode_tensor(encs[0], device)
-            common.sync(device)
+            synchronize(device)
             return time.perf_counter() - t0
 
         fns[name] = codec_work
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: 8 CPU, 4 GPU)")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's max_seq_len")
     args = p.parse_args(argv)
-    device = common.resolve_device(args.device)
+    device = resolve_device(args.device)
     repeats = args.repeats or (7 if args.quick else 21)
     cfg = pick_model(args.preset, device, args.seq_len)
     batch_size = args.batch_size or (4 if device.type == "cuda" else 8)

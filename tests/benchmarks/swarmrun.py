@@ -1,5 +1,5 @@
 """Live-swarm helpers for the benchmarks: servers on known ports, readiness through the Info RPC, trainers measured over a
-window of their own progress snapshots. Every process goes through `swarm.local.LocalSwarm`, whose exit stops every
+window of their own progress snapshots. Every process goes through `swarm.tools.local.LocalSwarm`, whose exit stops every
 process group it started; use it as a context manager."""
 
 from __future__ import annotations
@@ -12,17 +12,15 @@ from pathlib import Path
 
 import grpc
 
-from swarm import wire_pb2 as pb
-from swarm.local import LocalSwarm
-from swarm.wire import SERVICE
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import StageStub, sync_channel
+from swarm.tools.local import LocalSwarm
 from tests.benchmarks import common
 
 
 def info(address: str, timeout: float = 2.0) -> pb.InfoReply:
-    with grpc.insecure_channel(address) as channel:
-        rpc = channel.unary_unary(f"/{SERVICE}/Info", request_serializer=pb.InfoRequest.SerializeToString,
-                                  response_deserializer=pb.InfoReply.FromString)  # fmt: skip
-        return rpc(pb.InfoRequest(), timeout=timeout)
+    with sync_channel(address) as channel:
+        return StageStub(channel).info(pb.InfoRequest(), timeout=timeout)
 
 
 class BusyPoller:
@@ -37,9 +35,8 @@ class BusyPoller:
         self._thread = threading.Thread(target=self._run, name="busy-poller", daemon=True)
 
     def _run(self) -> None:
-        channels = {n: grpc.insecure_channel(a) for n, a in self.addresses.items()}
-        rpcs = {n: c.unary_unary(f"/{SERVICE}/Info", request_serializer=pb.InfoRequest.SerializeToString,
-                                 response_deserializer=pb.InfoReply.FromString) for n, c in channels.items()}  # fmt: skip
+        channels = {n: sync_channel(a) for n, a in self.addresses.items()}
+        rpcs = {n: StageStub(c).info for n, c in channels.items()}
         try:
             while not self._stop.wait(self.period):
                 for n, rpc in rpcs.items():

@@ -41,9 +41,9 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from dht.node import SwarmDHT
 from server.config import ServerConfig
 from server.worker import StageWorker, state_digest
-from swarm import wire_pb2 as pb
 from swarm.compression import get_codec
-from swarm.wire import GRPC_OPTIONS, PROTOCOL_VERSION, SERVICE
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -286,11 +286,9 @@ class StageCollaboration:
 
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        rpc = self._channels[address].unary_unary(f"/{SERVICE}/Progress", request_serializer=pb.StageProgress.SerializeToString,
-                                                  response_deserializer=pb.ProgressAck.FromString)  # fmt: skip
+            self._channels[address] = aio_channel(address)
         try:
-            await rpc(msg, timeout=self.cfg.peer_timeout)
+            await StageStub(self._channels[address]).progress(msg, timeout=self.cfg.peer_timeout)
         except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
             self.peers.pop(peer_id, None)

@@ -1,0 +1,34 @@
+"""Codecs that keep every value: raw bytes, and float16."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swarm.compression.base import WIRE_TO_DTYPE, Codec, bytes_to_tensor, tensor_to_bytes
+from swarm.protocol import wire_pb2 as pb
+
+
+class NoneCodec(Codec):
+    wire, name = pb.CODEC_NONE, "none"
+
+    def encode(self, t):
+        return {}, tensor_to_bytes(t)
+
+    def decode(self, header, payload, device):
+        dtype, shape = WIRE_TO_DTYPE[header.dtype], tuple(header.shape)
+        self._check_size(header, payload, math.prod(shape) * dtype.itemsize)
+        return bytes_to_tensor(payload, dtype, shape).to(device)
+
+
+class Float16Codec(Codec):
+    wire, name = pb.CODEC_FLOAT16, "fp16"
+
+    def encode(self, t):
+        return {}, tensor_to_bytes(t.to(torch.float16))
+
+    def decode(self, header, payload, device):
+        shape = tuple(header.shape)
+        self._check_size(header, payload, math.prod(shape) * 2)
+        return bytes_to_tensor(payload, torch.float16, shape).to(device).to(WIRE_TO_DTYPE[header.dtype])

@@ -1,0 +1,98 @@
+"""The one place that opens gRPC channels and servers and names the stage service's methods.
+
+Transport concerns that apply to every call (message sizes today; TLS, authentication and metrics interceptors later)
+are added here once, not in each caller. Frames travel as raw bytes in both directions (swarm.protocol.frames encodes
+and parses them); the unary methods use the protobuf messages of wire.proto.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from swarm.protocol import wire_pb2 as pb
+
+PROTOCOL_VERSION = 1
+CHUNK_BYTES = 2 << 20
+GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
+    ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
+    ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
+]
+SERVICE = "swarm.v1.Stage"
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+def sync_channel(address: str) -> grpc.Channel:
+    """For tools and benchmarks that poll from a thread."""
+    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+class StageStub:
+    """The stage service's methods on one channel (sync or asyncio: both have the same multi-callable factories).
+    Forward and Backward take and yield serialized frames (bytes); Info and Progress take and return messages."""
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel):
+        self.forward = channel.stream_stream(f"/{SERVICE}/Forward")
+        self.backward = channel.stream_stream(f"/{SERVICE}/Backward")
+        self.info = channel.unary_unary(
+            f"/{SERVICE}/Info",
+            request_serializer=pb.InfoRequest.SerializeToString,
+            response_deserializer=pb.InfoReply.FromString,
+        )
+        self.progress = channel.unary_unary(
+            f"/{SERVICE}/Progress",
+            request_serializer=pb.StageProgress.SerializeToString,
+            response_deserializer=pb.ProgressAck.FromString,
+        )
+
+    def method(self, name: str):
+        """"Forward" or "Backward"."""
+        return {"Forward": self.forward, "Backward": self.backward}[name]
+
+
+def stage_handler(forward, backward, info, progress) -> grpc.GenericRpcHandler:
+    """The server side of `StageStub`: coroutine handlers for the four methods."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Forward": grpc.stream_stream_rpc_method_handler(forward),
+            "Backward": grpc.stream_stream_rpc_method_handler(backward),
+            "Progress": grpc.unary_unary_rpc_method_handler(
+                progress,
+                request_deserializer=pb.StageProgress.FromString,
+                response_serializer=pb.ProgressAck.SerializeToString,
+            ),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                info,
+                request_deserializer=pb.InfoRequest.FromString,
+                response_serializer=pb.InfoReply.SerializeToString,
+            ),
+        },
+    )
+
+
+def aio_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=GRPC_OPTIONS)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on host:port (0: any free port); returns the bound port."""
+    return server.add_insecure_port(f"{host}:{port}")
+
+
+async def start_stage_server(
+    handler: grpc.GenericRpcHandler, host: str, port: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Start the stage service and the standard grpc.health.v1 service; returns them and the bound port."""
+    server = aio_server()
+    server.add_generic_rpc_handlers([handler])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer, bound

@@ -1,0 +1,67 @@
+"""Tensors on the wire: a tensor <-> (TensorHeader, payload) through a codec, and bytes counted per traffic class."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecError, NoneCodec
+from swarm.protocol import wire_pb2 as pb
+
+
+class WireError(ValueError):
+    """A message that breaks the wire format or a limit; the server answers INVALID_ARGUMENT with this text."""
+
+
+@dataclass
+class EncodedTensor:
+    header: pb.TensorHeader
+    payload: bytes | bytearray
+
+    @property
+    def wire_bytes(self) -> int:
+        return len(self.payload) + self.header.ByteSize()
+
+
+def encode_tensor(name: str, t: torch.Tensor, codec: Codec) -> EncodedTensor:
+    if t.dtype not in DTYPE_TO_WIRE:
+        raise WireError(f"tensor {name!r}: dtype {t.dtype} cannot travel; use one of {list(DTYPE_TO_WIRE)}")
+    if not t.is_floating_point() or t.numel() == 0:
+        codec = NoneCodec()  # ids and labels travel exactly
+    extra, payload = codec.encode(t)
+    header = pb.TensorHeader(
+        name=name, codec=codec.wire, dtype=DTYPE_TO_WIRE[t.dtype], shape=list(t.shape), payload_bytes=len(payload),
+        **extra,
+    )  # fmt: skip
+    return EncodedTensor(header, payload)
+
+
+def decode_tensor(enc: EncodedTensor, device: torch.device) -> torch.Tensor:
+    try:
+        return CODECS_BY_WIRE[enc.header.codec].decode(enc.header, enc.payload, device)
+    except CodecError as e:
+        raise WireError(str(e)) from e
+
+
+class WireStats:
+    """Bytes on the wire per traffic class, next to what the same tensors would cost uncompressed (fp32 for floats)."""
+
+    def __init__(self) -> None:
+        self.wire_bytes: dict[str, int] = defaultdict(int)
+        self.fp32_bytes: dict[str, int] = defaultdict(int)
+
+    def add(self, traffic_class: str, enc: EncodedTensor) -> None:
+        h = enc.header
+        itemsize = 4 if WIRE_TO_DTYPE[h.dtype].is_floating_point else WIRE_TO_DTYPE[h.dtype].itemsize
+        self.wire_bytes[traffic_class] += enc.wire_bytes
+        self.fp32_bytes[traffic_class] += math.prod(h.shape) * itemsize + h.ByteSize()
+
+    def as_dict(self) -> dict:
+        return {
+            "wire_bytes": sum(self.wire_bytes.values()),
+            "fp32_bytes": sum(self.fp32_bytes.values()),
+            "by_class": {k: {"wire": self.wire_bytes[k], "fp32": self.fp32_bytes[k]} for k in sorted(self.wire_bytes)},
+        }

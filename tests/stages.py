@@ -1,0 +1,68 @@
+"""Real grpc.aio stage servers in this process, one per stage, no DHT: enough to exercise transport, validation and
+the stage math, to inspect gradients, and to count bytes and time the RPC path without process start-up. Used by the
+tests and the benchmarks alike."""
+
+from __future__ import annotations
+
+import torch
+
+from server.collab import LocalSteps
+from server.config import ServerConfig
+from server.service import StageSchema, StageService
+from server.worker import StageWorker
+from swarm.config import ModelConfig
+from swarm.model import Stage
+from swarm.protocol.rpc import start_stage_server
+from trainer.client import StageClient
+from trainer.schedule import train_microbatch
+
+CPU = torch.device("cpu")
+
+
+class InProcessStages:
+    """One gRPC server per stage on 127.0.0.1; `stages` limits which stage indices get one. Workers, services and
+    addresses are keyed by stage index. With the default `samples_per_step` they never step: gradients stay readable."""
+
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device = CPU, max_batch: int = 8, samples_per_step: int = 10**9,
+        stages: list[int] | None = None, worker_cls: type[StageWorker] = StageWorker,
+    ):  # fmt: skip
+        self.cfg = cfg
+        self.indices = list(range(cfg.n_stages)) if stages is None else stages
+        server_cfg = ServerConfig(samples_per_step=samples_per_step, max_batch_size=max_batch)
+        self.workers = {i: worker_cls(Stage(cfg, i), server_cfg, device) for i in self.indices}
+        self.services = {
+            i: StageService(w, StageSchema(cfg, i, max_batch), LocalSteps(w, samples_per_step))
+            for i, w in self.workers.items()
+        }
+        self.addresses: dict[int, str] = {}
+        self.servers = []
+
+    async def __aenter__(self) -> InProcessStages:
+        for i, service in self.services.items():
+            server, _, port = await start_stage_server(service.handler(), "127.0.0.1", 0)
+            self.servers.append(server)
+            self.addresses[i] = f"127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for server in self.servers:
+            await server.stop(grace=None)
+        for worker in self.workers.values():
+            worker.shutdown()
+
+
+async def run_microbatch(stages: InProcessStages, client: StageClient, tokens: torch.Tensor, labels: torch.Tensor):
+    """The trainer's schedule (trainer/schedule.py) through these servers, with no routing: returns the loss."""
+
+    async def call(stage, method, tensors, expect):
+        return await client.call(stages.addresses[stage], method, stage, "m", tensors, expect, 120)
+
+    return await train_microbatch(call, stages.cfg.n_stages, stages.cfg.d_model, tokens, labels)
+
+
+def random_batch(cfg: ModelConfig, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch_size, cfg.max_seq_len)
+    return (torch.randint(0, cfg.vocab_size, shape, generator=gen),
+            torch.randint(0, cfg.vocab_size, shape, generator=gen))  # fmt: skip

@@ -1,0 +1,30 @@
+"""The one forward/backward schedule of a microbatch through the pipeline, whoever drives it (the trainer with routing
+and retries, tests and benchmarks with a plain client): forward through stages 0..S-2, loss and its gradient at the
+last stage, backward in reverse. Each stage call returns a `StageReply`."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from trainer.client import StageReply
+
+# (stage, "Forward" | "Backward", tensors by name, expected shape of the reply's tensor or None) -> reply
+StageCall = Callable[[int, str, dict[str, torch.Tensor], tuple[int, ...] | None], Awaitable[StageReply]]
+
+
+async def train_microbatch(call: StageCall, n_stages: int, d_model: int, tokens: torch.Tensor, labels: torch.Tensor):
+    """Returns the last stage's loss (None if it sent none). Every stage accumulates this microbatch's gradients."""
+    B, T = tokens.shape
+    hidden_BTD = (B, T, d_model)
+    acts = [tokens]  # inputs of each stage: token ids, then hidden states
+    for s in range(n_stages - 1):
+        acts.append((await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD)).tensor)
+    last = n_stages - 1
+    reply = await call(last, "Backward", {"inputs": acts[-1], "labels": labels}, tuple(acts[-1].shape))
+    loss, grad = reply.loss, reply.tensor
+    for s in reversed(range(last)):
+        expect = None if s == 0 else tuple(acts[s].shape)  # stage 0's inputs are token ids: no gradient
+        grad = (await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, expect)).tensor
+    return loss
