@@ -50,9 +50,12 @@ class SwarmDHT:
 
     async def announce(self, record: ServerRecord, ttl: float) -> bool:
         future = self.dht.store(
-            stage_key(self.swarm_name, record.stage), record.to_dict(), get_dht_time() + ttl,
-            subkey=self.peer_id, return_future=True,
-        )  # fmt: skip
+            stage_key(self.swarm_name, record.stage),
+            record.to_dict(),
+            get_dht_time() + ttl,
+            subkey=self.peer_id,
+            return_future=True,
+        )
         return bool(await asyncio.wait_for(future, self.timeout))
 
     async def withdraw(self, record: ServerRecord, ttl: float) -> bool:

@@ -30,9 +30,10 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, epoch: int) -> P
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     weights = {name: t.contiguous() for name, t in zip(names, tensors, strict=False)}
     stage = worker.stage.index
-    for path, write in ((weights_path(directory, stage), lambda f: save_file(weights, f, metadata={"epoch": str(epoch)})),
-                        (state_path(directory, stage), lambda f: torch.save({"meta": {**meta, "epoch": epoch},
-                                                                             "tensors": tensors}, f))):  # fmt: skip
+    for path, write in (
+        (weights_path(directory, stage), lambda f: save_file(weights, f, metadata={"epoch": str(epoch)})),
+        (state_path(directory, stage), lambda f: torch.save({"meta": {**meta, "epoch": epoch}, "tensors": tensors}, f)),
+    ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         write(str(tmp))
         os.replace(tmp, path)

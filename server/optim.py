@@ -12,8 +12,15 @@ import torch
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al., 2020): Adam's update rescaled per tensor by ||w|| / ||update||. torch has no LAMB of its own."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, clamp_trust: float = 10.0):  # fmt: skip
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp_trust: float = 10.0,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_trust=clamp_trust))
 
     @torch.no_grad()

@@ -57,8 +57,10 @@ class StageSchema:
     def check_backward(self, x: torch.Tensor, other: torch.Tensor) -> None:
         B, T = x.shape[:2]
         if self.is_last:
-            _expect(other.dtype == torch.int64 and tuple(other.shape) == (B, T), f"labels must be int64 {[B, T]}, "
-                    f"got {other.dtype} {list(other.shape)}")  # fmt: skip
+            _expect(
+                other.dtype == torch.int64 and tuple(other.shape) == (B, T),
+                f"labels must be int64 {[B, T]}, " f"got {other.dtype} {list(other.shape)}",
+            )
             _check_ids(other, self.cfg.vocab_size, "labels")
         else:
             _expect(
@@ -110,9 +112,15 @@ class StageService:
             yield frame
 
     async def progress(self, msg: pb.StageProgress, context: grpc.aio.ServicerContext) -> pb.ProgressAck:
-        ok = (msg.protocol_version == PROTOCOL_VERSION and msg.stage == self.schema.stage and 0 < len(msg.peer_id) <= 128
-              and 0 <= msg.epoch < 2**62 and 0 <= msg.samples < 2**40 and len(msg.address) <= 300
-              and (not msg.address or msg.address.rpartition(":")[2].isdigit()))  # fmt: skip
+        ok = (
+            msg.protocol_version == PROTOCOL_VERSION
+            and msg.stage == self.schema.stage
+            and 0 < len(msg.peer_id) <= 128
+            and 0 <= msg.epoch < 2**62
+            and 0 <= msg.samples < 2**40
+            and len(msg.address) <= 300
+            and (not msg.address or msg.address.rpartition(":")[2].isdigit())
+        )
         if not ok or not hasattr(self.collab, "on_progress"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
         return self.collab.on_progress(msg)
@@ -120,10 +128,15 @@ class StageService:
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         w = self.worker
         return pb.InfoReply(
-            protocol_version=PROTOCOL_VERSION, stage=self.schema.stage, n_stages=self.schema.cfg.n_stages,
-            param_version=w.param_version, queue_length=w.queue_length, throughput=w.throughput,
-            model_config_json=json.dumps(dataclasses.asdict(self.schema.cfg)), samples_processed=w.samples_processed,
-        )  # fmt: skip
+            protocol_version=PROTOCOL_VERSION,
+            stage=self.schema.stage,
+            n_stages=self.schema.cfg.n_stages,
+            param_version=w.param_version,
+            queue_length=w.queue_length,
+            throughput=w.throughput,
+            model_config_json=json.dumps(dataclasses.asdict(self.schema.cfg)),
+            samples_processed=w.samples_processed,
+        )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
         if self.paused is not None:
@@ -134,7 +147,9 @@ class StageService:
         self.active_calls += 1
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await read_call(raw_frames, limits)  # raw frames: swarm.protocol.frames parses them, one payload copy
+            call = await read_call(
+                raw_frames, limits
+            )  # raw frames: swarm.protocol.frames parses them, one payload copy
             reply = await worker.submit(lambda: self._compute(call, backward), deadline)
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)

@@ -46,8 +46,16 @@ def read_view(per_stage: list[list[PeerEntry]], as_of: float) -> SwarmView:
     peers: list[list[PeerLoad]] = [[] for _ in per_stage]
     for peer_id, (stage, e) in sorted(newest.items()):
         r = e.record
-        peers[stage].append(PeerLoad(peer_id, throughput=r.throughput, queue_len=r.queue_length, demand=r.demand,
-                                     last_move_s=r.joined_at or -math.inf, ready=r.ready))  # fmt: skip
+        peers[stage].append(
+            PeerLoad(
+                peer_id,
+                throughput=r.throughput,
+                queue_len=r.queue_length,
+                demand=r.demand,
+                last_move_s=r.joined_at or -math.inf,
+                ready=r.ready,
+            )
+        )
     return SwarmView(tuple(StageLoad(i, tuple(p)) for i, p in enumerate(peers)))
 
 
@@ -93,11 +101,16 @@ class StageServer:
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         w = self.worker
         return ServerRecord(
-            host=self.cfg.announce_host or self.cfg.host, port=self.cfg.announce_port or self.port,
+            host=self.cfg.announce_host or self.cfg.host,
+            port=self.cfg.announce_port or self.port,
             stage=w.stage.index if stage is None else stage,
-            throughput=self.load[0], demand=self.load[1], queue_length=self.load[2], param_version=w.param_version,
-            joined_at=self.joined_at, ready=ready,
-        )  # fmt: skip
+            throughput=self.load[0],
+            demand=self.load[1],
+            queue_length=self.load[2],
+            param_version=w.param_version,
+            joined_at=self.joined_at,
+            ready=ready,
+        )
 
     async def announce(self, ready: bool = True, stage: int | None = None) -> None:
         try:
@@ -123,9 +136,12 @@ class StageServer:
         known = sorted(p.throughput for s in view.stages for p in s.peers if p.throughput > 0)
         estimate = known[len(known) // 2] if known else 1.0  # our speed on a stage we have not built: the median peer
         stage = choose_stage(view, self.sdht.peer_id, estimate)
-        logger.info("--stage auto: peers per stage %s, capacity %s samples/s: joining stage %d",
-                    "/".join(str(len(s.peers)) for s in view.stages),
-                    "/".join(f"{s.capacity:.1f}" for s in view.stages), stage)  # fmt: skip
+        logger.info(
+            "--stage auto: peers per stage %s, capacity %s samples/s: joining stage %d",
+            "/".join(str(len(s.peers)) for s in view.stages),
+            "/".join(f"{s.capacity:.1f}" for s in view.stages),
+            stage,
+        )
         return stage
 
     async def enter(self, stage: int, prior_throughput: float = 0.0) -> None:
@@ -136,8 +152,9 @@ class StageServer:
         self.worker = worker = StageWorker(module, cfg, self.device, prior_throughput)
         if not prior_throughput:
             await worker.submit(lambda: worker.calibrate(min(cfg.max_batch_size, 8)))
-        self.collab = collab = LocalSteps(worker, cfg.samples_per_step) if cfg.solo else \
-            StageCollaboration(worker, self.sdht, stage, cfg)  # fmt: skip
+        self.collab = collab = (
+            LocalSteps(worker, cfg.samples_per_step) if cfg.solo else StageCollaboration(worker, self.sdht, stage, cfg)
+        )
         await collab.launch()
         if self.moving_to is None:  # a move took the stage when it committed to it, before the period's boundary
             self.joined_at = get_dht_time()
@@ -151,7 +168,9 @@ class StageServer:
         schema = StageSchema(self.model_cfg, stage, cfg.max_batch_size)
         if self.service is None:
             self.service = StageService(worker, schema, collab)
-            self.grpc_server, self.health, self.port = await start_stage_server(self.service.handler(), cfg.host, cfg.port)
+            self.grpc_server, self.health, self.port = await start_stage_server(
+                self.service.handler(), cfg.host, cfg.port
+            )
         if isinstance(collab, StageCollaboration):
             collab.address = self.record().address
         await collab.start()
@@ -160,9 +179,17 @@ class StageServer:
         await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.announce()
         n_params = sum(p.numel() for p in worker.params)
-        logger.info("stage %d/%d on %s: %.2fM parameters, epoch %d (%s), %.1f samples/s capacity, serving at %s",
-                    stage, self.model_cfg.n_stages, worker.device, n_params / 1e6, worker.param_version,
-                    "joined peers" if joined else "own start", worker.throughput, self.record().address)  # fmt: skip
+        logger.info(
+            "stage %d/%d on %s: %.2fM parameters, epoch %d (%s), %.1f samples/s capacity, serving at %s",
+            stage,
+            self.model_cfg.n_stages,
+            worker.device,
+            n_params / 1e6,
+            worker.param_version,
+            "joined peers" if joined else "own start",
+            worker.throughput,
+            self.record().address,
+        )
 
     async def leave(self, reason: str) -> None:
         """Stop serving the current stage without losing work: see the class docstring."""
@@ -175,8 +202,13 @@ class StageServer:
             await asyncio.sleep(0.05)
         dropped = await collab.finish_epoch(cfg.migration_drain_s)
         if dropped:
-            logger.warning("stage %d: epoch %d did not end within %.0fs; the gradients of %d samples are dropped",
-                           worker.stage.index, collab.epoch, cfg.migration_drain_s, dropped)  # fmt: skip
+            logger.warning(
+                "stage %d: epoch %d did not end within %.0fs; the gradients of %d samples are dropped",
+                worker.stage.index,
+                collab.epoch,
+                cfg.migration_drain_s,
+                dropped,
+            )
         try:
             await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.record_ttl), 3)
         except Exception as e:
@@ -198,8 +230,13 @@ class StageServer:
         finally:
             self.moving_to = None
         self.moves += 1
-        logger.info("moved from stage %d to stage %d in %.1fs (move %d of this peer)", src, dst,
-                    time.monotonic() - started, self.moves)  # fmt: skip
+        logger.info(
+            "moved from stage %d to stage %d in %.1fs (move %d of this peer)",
+            src,
+            dst,
+            time.monotonic() - started,
+            self.moves,
+        )
 
     async def rebalance_forever(self, stop: asyncio.Event) -> None:
         """Every period, at the same wall-clock moment as every other peer, decide on the same view whether to move."""
@@ -235,8 +272,12 @@ class StageServer:
                 logger.warning("rebalancing skipped: could not re-read the swarm's load: %r", e)
                 continue
             if confirmed != move:
-                logger.info("not moving to stage %d: a second read of the swarm (peers per stage %s at the first) no "
-                            "longer calls for it", move.dst, peers)  # fmt: skip
+                logger.info(
+                    "not moving to stage %d: a second read of the swarm (peers per stage %s at the first) no "
+                    "longer calls for it",
+                    move.dst,
+                    peers,
+                )
                 continue
             await self.move(move.dst, f"peers per stage {peers}, load (demand/capacity) {loads}")
 
@@ -256,10 +297,18 @@ class StageServer:
                     self.take_snapshot()
                 await self.announce()
                 w = self.worker
-                logger.info("stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
-                            "queue %d, rejected %d, all-reduce %.1f MB", self.stage, w.param_version,
-                            w.samples_processed, w.throughput, self.load[1], w.queue_length, self.service.requests_rejected,
-                            self.collab.allreduce_bytes / 1e6)  # fmt: skip
+                logger.info(
+                    "stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
+                    "queue %d, rejected %d, all-reduce %.1f MB",
+                    self.stage,
+                    w.param_version,
+                    w.samples_processed,
+                    w.throughput,
+                    self.load[1],
+                    w.queue_length,
+                    self.service.requests_rejected,
+                    self.collab.allreduce_bytes / 1e6,
+                )
                 if cfg.checkpoint_dir and time.monotonic() - last_checkpoint > cfg.checkpoint_period:
                     last_checkpoint = time.monotonic()
                     await asyncio.to_thread(save_checkpoint, w, cfg.checkpoint_dir, self.collab.epoch)
@@ -284,5 +333,3 @@ class StageServer:
             await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint_dir, self.collab.epoch)
         await self.collab.stop()
         self.worker.shutdown()
-
-

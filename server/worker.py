@@ -136,9 +136,14 @@ class StageWorker:
                         tensors.append(value.detach().cpu().clone())
                     else:
                         scalars[f"{idx}/{key}"] = value
-            meta = {"param_version": self.param_version, "n_params": len(self.params), "slots": slots,
-                    "scalars": scalars, "param_groups": opt_state["param_groups"],
-                    "schedule": self.schedule.state_dict()}  # fmt: skip
+            meta = {
+                "param_version": self.param_version,
+                "n_params": len(self.params),
+                "slots": slots,
+                "scalars": scalars,
+                "param_groups": opt_state["param_groups"],
+                "schedule": self.schedule.state_dict(),
+            }
         return meta, tensors
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:

@@ -35,9 +35,13 @@ def add_config_args(
         if dataclasses.is_dataclass(typ):
             add_config_args(parser, typ, suppress_defaults, prefix + _nested_prefix(f))
             continue
-        default = argparse.SUPPRESS if suppress_defaults else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        )  # fmt: skip
+        default = (
+            argparse.SUPPRESS
+            if suppress_defaults
+            else (
+                f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            )
+        )
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
         if typ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

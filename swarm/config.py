@@ -52,9 +52,15 @@ def tiny_test() -> ModelConfig:
 def gpt_1b_4stages() -> ModelConfig:
     """Roughly 1B parameters over 4 unshared stages, for GPU servers."""
     return ModelConfig(
-        vocab_size=50304, d_model=2048, n_heads=16, d_ff=5504, max_seq_len=1024,
-        n_stages=4, layers_per_stage=5, share_layers=False,
-    )  # fmt: skip
+        vocab_size=50304,
+        d_model=2048,
+        n_heads=16,
+        d_ff=5504,
+        max_seq_len=1024,
+        n_stages=4,
+        layers_per_stage=5,
+        share_layers=False,
+    )
 
 
 PRESETS = {f.__name__: f for f in (local_debug, tiny_test, gpt_1b_4stages)}

@@ -6,7 +6,7 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" (CUDA if present, else CPU), "cpu", "cuda" or "cuda:N"; raises ValueError if CUDA is asked for and absent."""
+    """ "auto" (CUDA if present, else CPU), "cpu", "cuda" or "cuda:N"; raises ValueError if CUDA is asked for and absent."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)

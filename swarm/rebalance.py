@@ -30,8 +30,14 @@ ALGORITHMS = ("swarm", "paper")
 class RebalanceConfig:
     """How and how often peers move between stages. Frozen: it is part of the memo key of a view's plan."""
 
-    algorithm: str = field(default="swarm", metadata={"help": "swarm: demand/capacity with hysteresis and cooldown; "
-                           "paper: Algorithm 2 of the SWARM paper as written", "choices": list(ALGORITHMS)})  # fmt: skip
+    algorithm: str = field(
+        default="swarm",
+        metadata={
+            "help": "swarm: demand/capacity with hysteresis and cooldown; "
+            "paper: Algorithm 2 of the SWARM paper as written",
+            "choices": list(ALGORITHMS),
+        },
+    )
     period_s: float = field(default=60.0, metadata={"help": "seconds between decisions (at wall-clock multiples)"})
     # Relative load margin a move must clear. The strict-improvement rule already prevents oscillation under exact
     # numbers; the margin absorbs measurement noise (live, peers' measured speeds differ by ~10%: without it, peers

@@ -24,9 +24,14 @@ class InProcessStages:
     addresses are keyed by stage index. With the default `samples_per_step` they never step: gradients stay readable."""
 
     def __init__(
-        self, cfg: ModelConfig, device: torch.device = CPU, max_batch: int = 8, samples_per_step: int = 10**9,
-        stages: list[int] | None = None, worker_cls: type[StageWorker] = StageWorker,
-    ):  # fmt: skip
+        self,
+        cfg: ModelConfig,
+        device: torch.device = CPU,
+        max_batch: int = 8,
+        samples_per_step: int = 10**9,
+        stages: list[int] | None = None,
+        worker_cls: type[StageWorker] = StageWorker,
+    ):
         self.cfg = cfg
         self.indices = list(range(cfg.n_stages)) if stages is None else stages
         server_cfg = ServerConfig(samples_per_step=samples_per_step, max_batch_size=max_batch)
@@ -64,5 +69,7 @@ async def run_microbatch(stages: InProcessStages, client: StageClient, tokens: t
 def random_batch(cfg: ModelConfig, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (batch_size, cfg.max_seq_len)
-    return (torch.randint(0, cfg.vocab_size, shape, generator=gen),
-            torch.randint(0, cfg.vocab_size, shape, generator=gen))  # fmt: skip
+    return (
+        torch.randint(0, cfg.vocab_size, shape, generator=gen),
+        torch.randint(0, cfg.vocab_size, shape, generator=gen),
+    )

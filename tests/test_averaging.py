@@ -22,10 +22,18 @@ def test_two_peers_average_for_real(codec):
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(2)]
     averagers = [
-        DecentralizedAverager([t.clone()], dht, prefix=f"avgtest_{codec}", start=True, min_matchmaking_time=1.0,
-                              request_timeout=0.5, compression=ALLREDUCE_COMPRESSION[codec], target_group_size=2)
+        DecentralizedAverager(
+            [t.clone()],
+            dht,
+            prefix=f"avgtest_{codec}",
+            start=True,
+            min_matchmaking_time=1.0,
+            request_timeout=0.5,
+            compression=ALLREDUCE_COMPRESSION[codec],
+            target_group_size=2,
+        )
         for t, dht in zip((a, b), dhts, strict=True)
-    ]  # fmt: skip
+    ]
     try:
         when = get_dht_time() + 1.0
         results = [None, None]

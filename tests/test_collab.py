@@ -45,9 +45,23 @@ def run_swarm(
 ) -> tuple[list[float], dict[tuple[int, int], dict]]:
     """3 stages x 2 peers, one sequential trainer, EPOCHS global batches. Returns the per-microbatch losses and each
     server's final weights (saved by SIGTERM to its own checkpoint folder)."""
-    server_flags = ["--samples-per-step", str(GLOBAL_BATCH), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY),
-                    "--clip-grad-norm", "0", "--allreduce-codec", codec, "--matchmaking-time", "0.5",
-                    "--progress-period", "0.1", "--no-rebalance"]  # fmt: skip
+    server_flags = [
+        "--samples-per-step",
+        str(GLOBAL_BATCH),
+        "--lr",
+        str(LR),
+        "--weight-decay",
+        str(WEIGHT_DECAY),
+        "--clip-grad-norm",
+        "0",
+        "--allreduce-codec",
+        codec,
+        "--matchmaking-time",
+        "0.5",
+        "--progress-period",
+        "0.1",
+        "--no-rebalance",
+    ]
     loss_log = tmp / f"{name}-losses.jsonl"
     with LocalSwarm(tmp / name, name, model_args()) as swarm:
         swarm.start_dht()
@@ -55,13 +69,29 @@ def run_swarm(
             for r in range(2):
                 ckpt = tmp / name / f"ckpt-s{stage}-r{r}"
                 swarm.start_server(f"server-s{stage}-r{r}", stage, [*server_flags, "--checkpoint-dir", str(ckpt)])
-        swarm.start_trainer("trainer-0", ["--batch-size", str(BATCH), "--in-flight", "1", "--codec", codec,
-                                          "--max-steps", str(epochs * GLOBAL_BATCH // BATCH), "--loss-log", str(loss_log)])  # fmt: skip
+        swarm.start_trainer(
+            "trainer-0",
+            [
+                "--batch-size",
+                str(BATCH),
+                "--in-flight",
+                "1",
+                "--codec",
+                codec,
+                "--max-steps",
+                str(epochs * GLOBAL_BATCH // BATCH),
+                "--loss-log",
+                str(loss_log),
+            ],
+        )
         trainer = swarm.children["trainer-0"]
         wait_for(lambda: not trainer.alive(), 400, f"{epochs} epochs of the {name} swarm")
         swarm.stop_all()
-    weights = {(s, r): load_file(str(tmp / name / f"ckpt-s{s}-r{r}" / f"stage{s}.safetensors"))
-               for s in range(3) for r in range(2)}  # fmt: skip
+    weights = {
+        (s, r): load_file(str(tmp / name / f"ckpt-s{s}-r{r}" / f"stage{s}.safetensors"))
+        for s in range(3)
+        for r in range(2)
+    }
     return read_losses(loss_log), weights
 
 
@@ -148,8 +178,17 @@ async def swarm_loss(addresses: list[str], tokens, labels, cfg) -> float:
 
 @pytest.mark.timeout(600)
 def test_peers_die_rejoin_and_an_emptied_stage_resumes_from_its_checkpoint(tmp_path):
-    flags = ["--samples-per-step", "16", "--matchmaking-time", "0.5", "--progress-period", "0.2",
-             "--checkpoint-period", "3600", "--no-rebalance"]  # fmt: skip
+    flags = [
+        "--samples-per-step",
+        "16",
+        "--matchmaking-time",
+        "0.5",
+        "--progress-period",
+        "0.2",
+        "--checkpoint-period",
+        "3600",
+        "--no-rebalance",
+    ]
     ckpt = {name: tmp_path / f"ckpt-{name}" for name in ("s0-r0", "s0-r1", "s1-r0", "s1-r1")}
     two_stages = [*model_args()[:-2], "--n-stages", "2"]  # same small model, 2 stages
     with LocalSwarm(tmp_path / "logs", "faults", two_stages) as swarm:
@@ -172,8 +211,12 @@ def test_peers_die_rejoin_and_an_emptied_stage_resumes_from_its_checkpoint(tmp_p
         for name in ("s0-r0", "s1-r0"):
             swarm.start_server(f"server-{name}-again", int(name[1]), [*flags, "--checkpoint-dir", str(ckpt[name])])
         for name in ("s0-r0", "s1-r0"):
-            log = wait_for(lambda n=name: "serving at" in log_text(swarm, f"server-{n}-again")
-                           and log_text(swarm, f"server-{n}-again"), 60, f"{name} to serve again")  # fmt: skip
+            log = wait_for(
+                lambda n=name: "serving at" in log_text(swarm, f"server-{n}-again")
+                and log_text(swarm, f"server-{n}-again"),
+                60,
+                f"{name} to serve again",
+            )
             joined_after = time.monotonic() - started
             loaded = re.search(r"loaded state at epoch (\d+) \(digest (\w+)\)", log)
             assert loaded, f"{name} did not download its stage's state"
@@ -186,8 +229,11 @@ def test_peers_die_rejoin_and_an_emptied_stage_resumes_from_its_checkpoint(tmp_p
             assert (loaded[1], loaded[2]) in sent, "the joiner's state must be bitwise the state its peer sent"
             assert joined_after < 30
         at_rejoin = steps(swarm)
-        wait_for(lambda: steps(swarm) >= at_rejoin + 20 and swarm.trainer_stats()[0]["peers_per_stage"] == [2, 2],
-                 180, "training with both peers back")  # fmt: skip
+        wait_for(
+            lambda: steps(swarm) >= at_rejoin + 20 and swarm.trainer_stats()[0]["peers_per_stage"] == [2, 2],
+            180,
+            "training with both peers back",
+        )
 
         # 3. stage 1 loses every peer (SIGTERM: each saves its checkpoint); trainers wait, then resume on a restart
         swarm.stop(["server-s1-r0-again", "server-s1-r1"])

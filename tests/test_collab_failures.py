@@ -35,8 +35,9 @@ async def hide_from_state_sharing(server: StageServer) -> None:
     """Make the DHT record of who shares state say that `server` does not, for the rest of the test. That record can
     lag (in CI, a peer found nobody sharing for 30 s while its stage peer was live): copying must not depend on it."""
     key = f"{server.collab.averager.prefix}.all_averagers"
-    store = functools.partial(server.sdht.dht.store, key, None, get_dht_time() + 120,
-                              subkey=server.sdht.dht.peer_id.to_bytes())  # fmt: skip
+    store = functools.partial(
+        server.sdht.dht.store, key, None, get_dht_time() + 120, subkey=server.sdht.dht.peer_id.to_bytes()
+    )
     assert await asyncio.get_running_loop().run_in_executor(None, store)
 
 
@@ -63,9 +64,19 @@ async def stage_servers():
 
 
 def server_config(initial_peers: list[str]) -> ServerConfig:
-    return ServerConfig(stage="0", initial_peers=initial_peers, samples_per_step=8, clip_grad_norm=0.0,
-                        matchmaking_time=0.5, averaging_timeout=TIMEOUT, progress_period=0.1, announce_period=1.0,
-                        param_average_every=0, rebalance=False, torch_threads=1)  # fmt: skip
+    return ServerConfig(
+        stage="0",
+        initial_peers=initial_peers,
+        samples_per_step=8,
+        clip_grad_norm=0.0,
+        matchmaking_time=0.5,
+        averaging_timeout=TIMEOUT,
+        progress_period=0.1,
+        announce_period=1.0,
+        param_average_every=0,
+        rebalance=False,
+        torch_threads=1,
+    )
 
 
 @pytest.mark.parametrize("busy_peer", ["with_samples", "without_samples"])
@@ -84,8 +95,11 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             servers.append(await start_server(peers))
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
         a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
-        await wait_for_async(lambda: a.sdht.peer_id in b.collab.peers and b.sdht.peer_id in a.collab.peers, 30,
-                             "the two peers to find each other")  # fmt: skip
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers and b.sdht.peer_id in a.collab.peers,
+            30,
+            "the two peers to find each other",
+        )
         await hide_from_state_sharing(b)
 
         gen = torch.Generator().manual_seed(1)
@@ -98,11 +112,14 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
         await b.collab.after_backward()  # B tells A the batch is complete; the busy peer's round waits for the sleep
         await busy
         free = time.monotonic()
-        await wait_for_async(lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab._busy, 30,
-                             "both peers to finish epoch 0")  # fmt: skip
+        await wait_for_async(
+            lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab._busy, 30, "both peers to finish epoch 0"
+        )
         synced = time.monotonic()
-        print(f"\nround failed; the stage was one model again {synced - started:.1f}s after the batch ended, "
-              f"{synced - free:.1f}s after the busy peer was free")  # fmt: skip
+        print(
+            f"\nround failed; the stage was one model again {synced - started:.1f}s after the batch ended, "
+            f"{synced - free:.1f}s after the busy peer was free"
+        )
         if busy_peer == "without_samples":
             assert synced - free < 0.8 * TIMEOUT, "the busy peer retried a round after its peer had finished it"
 

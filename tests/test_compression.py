@@ -95,9 +95,22 @@ def test_wire_stats_count_fp32_equivalent():
 def test_generated_code_matches_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     root = Path(__file__).resolve().parents[1]
+    proto = "swarm/protocol/wire.proto"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(root), f"--python_out={tmp_path}", "swarm/protocol/wire.proto"],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(root),
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            proto,
+        ],
         check=True,
     )
-    generated = (tmp_path / "swarm" / "protocol" / "wire_pb2.py").read_text()
-    assert generated == (root / "swarm" / "protocol" / "wire_pb2.py").read_text(), "regenerate swarm/protocol/wire_pb2.py (see wire.proto)"
+    for name in ("wire_pb2.py", "wire_pb2.pyi"):
+        generated = (tmp_path / "swarm" / "protocol" / name).read_text()
+        assert (
+            generated == (root / "swarm" / "protocol" / name).read_text()
+        ), f"regenerate swarm/protocol/{name} (see wire.proto)"

@@ -25,8 +25,20 @@ def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
     """The README's first command: with defaults on 2 cores, loss falls to <= 60% of initial within 5 minutes."""
     summary_path = tmp_path / "summary.json"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "swarm.tools.local", "--summary-json", str(summary_path), "--log-dir",
-                           str(tmp_path / "logs")], timeout=360, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm.tools.local",
+            "--summary-json",
+            str(summary_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        timeout=360,
+        capture_output=True,
+        text=True,
+    )
     wall = time.monotonic() - started
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0
@@ -70,9 +82,26 @@ def test_sigkill_of_a_server_loses_no_microbatch(tmp_path, marker):
 
 @pytest.mark.timeout(200)
 def test_ctrl_c_stops_every_process(tmp_path, marker):
-    proc = subprocess.Popen([sys.executable, "-m", "swarm.tools.local", "--duration", "0", "--stages", "2",
-                             "--servers-per-stage", "1", "--trainers", "1", "--log-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "swarm.tools.local",
+            "--duration",
+            "0",
+            "--stages",
+            "2",
+            "--servers-per-stage",
+            "1",
+            "--trainers",
+            "1",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         stats_file = tmp_path / "trainer-0.json"
         wait_for(lambda: stats_file.exists() and json.loads(stats_file.read_text())["steps"] > 0, 120, "training")

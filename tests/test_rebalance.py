@@ -196,8 +196,13 @@ def test_records_validate_load_fields():
     good = ServerRecord(host="h", port=1, stage=0, throughput=3.0, demand=2.0, joined_at=5.0, ready=False).to_dict()
     assert ServerRecord.from_dict(good) is not None
     assert ServerRecord.from_dict({k: v for k, v in good.items() if k not in ("demand", "joined_at", "ready")})
-    for field, bad in (("demand", -1.0), ("demand", math.inf), ("throughput", math.nan), ("joined_at", "x"),
-                       ("ready", 1)):  # fmt: skip
+    for field, bad in (
+        ("demand", -1.0),
+        ("demand", math.inf),
+        ("throughput", math.nan),
+        ("joined_at", "x"),
+        ("ready", 1),
+    ):
         assert ServerRecord.from_dict({**good, field: bad}) is None, (field, bad)
 
 
@@ -209,8 +214,10 @@ def test_server_flags_configure_the_rebalancer():
 
     parser = argparse.ArgumentParser()
     add_config_args(parser, ServerConfig)
-    cfg = config_from_args(ServerConfig, parser.parse_args(["--rebalance-period-s", "8", "--no-rebalance",
-                                                            "--rebalance-algorithm", "paper"]))  # fmt: skip
+    cfg = config_from_args(
+        ServerConfig,
+        parser.parse_args(["--rebalance-period-s", "8", "--no-rebalance", "--rebalance-algorithm", "paper"]),
+    )
     assert cfg.rebalancing == RebalanceConfig(period_s=8.0, algorithm="paper") and cfg.rebalance is False
     assert config_from_args(ServerConfig, parser.parse_args([])).rebalancing == RebalanceConfig()
     with pytest.raises(ValueError, match="--rebalance-period-s"):

@@ -18,8 +18,17 @@ pytestmark = [pytest.mark.integration]
 
 MODEL = ["--preset", "local_debug", "--d-model", "64", "--d-ff", "256", "--max-seq-len", "64"]  # head: ~15% of a stage
 PERIOD = 6.0
-SERVER_FLAGS = ["--slowdown", "30", "--samples-per-step", "32", "--delay-optimizer-step",
-                "--rebalance-period-s", str(PERIOD), "--rebalance-cooldown-s", "15"]  # fmt: skip
+SERVER_FLAGS = [
+    "--slowdown",
+    "30",
+    "--samples-per-step",
+    "32",
+    "--delay-optimizer-step",
+    "--rebalance-period-s",
+    str(PERIOD),
+    "--rebalance-cooldown-s",
+    "15",
+]
 MOVED = re.compile(r"(\S+ \S+) INFO swarm.server: moved from stage (\d+) to stage (\d+)")
 
 

@@ -78,8 +78,9 @@ async def test_grpc_blockwise8_gradients_close_and_bytes_saved():
 async def raw_call(address, method, frames_or_bytes, timeout=10):
     async with aio_channel(address) as channel:
         serializer = None if frames_or_bytes and isinstance(frames_or_bytes[0], bytes) else pb.Frame.SerializeToString
-        rpc = channel.stream_stream(f"/{SERVICE}/{method}", request_serializer=serializer,
-                                    response_deserializer=pb.Frame.FromString)  # fmt: skip
+        rpc = channel.stream_stream(
+            f"/{SERVICE}/{method}", request_serializer=serializer, response_deserializer=pb.Frame.FromString
+        )
         return [f async for f in rpc(iter(frames_or_bytes), timeout=timeout)]
 
 
@@ -94,8 +95,10 @@ async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():
     good_hidden = torch.randn(B, T, D)
     nan_hidden = good_hidden.clone()
     nan_hidden[0, 0, 0] = float("nan")
-    header_too_big = pb.Frame(meta=pb.CallMeta(protocol_version=PROTOCOL_VERSION, stage=1),
-                              tensor=pb.TensorHeader(name="inputs", dtype=pb.DTYPE_FLOAT32, shape=[10**4, T, D]))  # fmt: skip
+    header_too_big = pb.Frame(
+        meta=pb.CallMeta(protocol_version=PROTOCOL_VERSION, stage=1),
+        tensor=pb.TensorHeader(name="inputs", dtype=pb.DTYPE_FLOAT32, shape=[10**4, T, D]),
+    )
     bad = {
         "garbage bytes": [b"\xff\x00garbage\x13\x37" * 10],
         "wrong shape": frames(1, {"inputs": torch.randn(B, T, D + 1)}),
@@ -120,8 +123,11 @@ async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():
         # labels out of range on the last stage's Backward: rejected before the model, no gradient accumulated
         last = cfg.n_stages - 1
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await raw_call(stages.addresses[last], "Backward",
-                           frames(last, {"inputs": good_hidden, "labels": torch.full((B, T), -1)}))  # fmt: skip
+            await raw_call(
+                stages.addresses[last],
+                "Backward",
+                frames(last, {"inputs": good_hidden, "labels": torch.full((B, T), -1)}),
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert all(p.grad is None for p in stages.workers[last].stage.parameters())
 

@@ -103,10 +103,12 @@ def test_fields_in_any_order(order):
 
 def test_repeated_fields_merge_like_protobuf():
     """A repeated `data` replaces the earlier one; repeated messages merge field by field."""
-    raw = b"".join([
-        pb.Frame(data=b"first", meta=pb.CallMeta(stage=1, microbatch_id="a")).SerializeToString(),
-        pb.Frame(data=b"second", meta=pb.CallMeta(stage=5)).SerializeToString(),
-    ])  # fmt: skip
+    raw = b"".join(
+        [
+            pb.Frame(data=b"first", meta=pb.CallMeta(stage=1, microbatch_id="a")).SerializeToString(),
+            pb.Frame(data=b"second", meta=pb.CallMeta(stage=5)).SerializeToString(),
+        ]
+    )
     _assert_parses_like_protobuf(raw)
     frame, data = parse_frame(raw)
     assert bytes(data) == b"second" and (frame.meta.stage, frame.meta.microbatch_id) == (5, "a")

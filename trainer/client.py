@@ -15,8 +15,13 @@ from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
 
-TRAFFIC_CLASS = {"inputs": "activations", "outputs": "activations", "grad_outputs": "gradients",
-                 "grad_inputs": "gradients", "labels": "tokens"}  # fmt: skip
+TRAFFIC_CLASS = {
+    "inputs": "activations",
+    "outputs": "activations",
+    "grad_outputs": "gradients",
+    "grad_inputs": "gradients",
+    "labels": "tokens",
+}
 
 
 def traffic_class(enc: EncodedTensor) -> str:
@@ -48,9 +53,15 @@ class StageClient:
         return self.stubs[address]
 
     async def call(
-        self, address: str, method: str, stage: int, microbatch_id: str, tensors: dict[str, torch.Tensor],
-        expect_shape: tuple[int, ...] | None, timeout: float,
-    ) -> StageReply:  # fmt: skip
+        self,
+        address: str,
+        method: str,
+        stage: int,
+        microbatch_id: str,
+        tensors: dict[str, torch.Tensor],
+        expect_shape: tuple[int, ...] | None,
+        timeout: float,
+    ) -> StageReply:
         """`method` is "Forward" or "Backward". Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
         encoded = await loop.run_in_executor(
@@ -58,8 +69,9 @@ class StageClient:
         )
         for enc in encoded:
             self.stats.add(traffic_class(enc), enc)
-        meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage,
-                           reply_codec=self.codec.wire)  # fmt: skip
+        meta = pb.CallMeta(
+            protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage, reply_codec=self.codec.wire
+        )
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     sdht = SwarmDHT(start_dht(cfg.initial_peers, port=cfg.dht_port, client_mode=True), cfg.swarm_name)
     try:
         final = uvloop.run(_main(cfg, model_cfg, sdht))
-        logger.info("done: %d microbatches, %d lost, %d retries", final["steps"], final["lost_microbatches"],
-                    final["retries"])  # fmt: skip
+        logger.info(
+            "done: %d microbatches, %d lost, %d retries", final["steps"], final["lost_microbatches"], final["retries"]
+        )
     finally:
         sdht.shutdown()
 

@@ -40,8 +40,13 @@ class MicrobatchLost(Exception):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT,
-                 data: Iterator[tuple[torch.Tensor, torch.Tensor]]):  # fmt: skip
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_cfg: ModelConfig,
+        sdht: SwarmDHT,
+        data: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    ):
         self.cfg, self.model_cfg, self.sdht, self.data = cfg, model_cfg, sdht, data
         self.n_stages = model_cfg.n_stages
         self.routers = [StageRouter() for _ in range(self.n_stages)]
@@ -83,8 +88,7 @@ class Trainer:
 
     def _done(self, stop: asyncio.Event) -> bool:
         elapsed = time.monotonic() - self.started
-        return (stop.is_set() or (0 < self.cfg.max_steps <= self.steps)
-                or (0 < self.cfg.duration <= elapsed))  # fmt: skip
+        return stop.is_set() or (0 < self.cfg.max_steps <= self.steps) or (0 < self.cfg.duration <= elapsed)
 
     async def _work(self, stop: asyncio.Event) -> None:
         while not self._done(stop):
@@ -141,8 +145,9 @@ class Trainer:
                 continue
             start = time.monotonic()
             try:
-                reply = await self.client.call(record.address, method, stage, mb_id, tensors, expect_shape,
-                                               self.cfg.request_timeout)  # fmt: skip
+                reply = await self.client.call(
+                    record.address, method, stage, mb_id, tensors, expect_shape, self.cfg.request_timeout
+                )
             except (TimeoutError, grpc.aio.AioRpcError, WireError) as e:
                 timed_out = isinstance(e, asyncio.TimeoutError) or (
                     isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -153,8 +158,9 @@ class Trainer:
                 self.retries += 1
                 last_error = e
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
-                logger.warning("stage %d %s on %s failed (%s); retrying on another peer", stage, method,
-                               record.address, detail)  # fmt: skip
+                logger.warning(
+                    "stage %d %s on %s failed (%s); retrying on another peer", stage, method, record.address, detail
+                )
                 await asyncio.sleep(min(0.05 * 2**attempts, 2.0))
                 continue
             router.report_success(peer_id, n, time.monotonic() - start)
@@ -183,24 +189,36 @@ class Trainer:
             if time.monotonic() - last_log >= self.cfg.log_period:
                 last_log = time.monotonic()
                 s = self.snapshot()
-                logger.info("step %d | loss %.3f | %.1f samples/s | peers %s | versions %s | wire %.1f MB (%.2fx less "
-                            "than fp32) | lost %d", s["steps"], s["recent_loss"] or float("nan"), s["samples_per_second"],
-                            "/".join(map(str, s["peers_per_stage"])), "/".join(map(str, self.versions)),
-                            s["wire_bytes"] / 1e6, s["fp32_bytes"] / max(s["wire_bytes"], 1), s["lost_microbatches"])  # fmt: skip
+                logger.info(
+                    "step %d | loss %.3f | %.1f samples/s | peers %s | versions %s | wire %.1f MB (%.2fx less "
+                    "than fp32) | lost %d",
+                    s["steps"],
+                    s["recent_loss"] or float("nan"),
+                    s["samples_per_second"],
+                    "/".join(map(str, s["peers_per_stage"])),
+                    "/".join(map(str, self.versions)),
+                    s["wire_bytes"] / 1e6,
+                    s["fp32_bytes"] / max(s["wire_bytes"], 1),
+                    s["lost_microbatches"],
+                )
 
     def snapshot(self) -> dict:
         elapsed = time.monotonic() - self.started
         wire = self.stats.as_dict()
         head = self.losses[:INITIAL_WINDOW]
         return {
-            "steps": self.steps, "samples": self.samples, "elapsed_s": elapsed,
+            "steps": self.steps,
+            "samples": self.samples,
+            "elapsed_s": elapsed,
             "samples_per_second": self.samples / elapsed if elapsed > 0 else 0.0,
             "initial_loss": sum(head) / len(head) if head else None,
             "recent_loss": sum(self.recent) / len(self.recent) if self.recent else None,
-            "lost_microbatches": self.lost, "retries": self.retries,
-            "peers_per_stage": [len(r.available) for r in self.routers], "param_versions": list(self.versions),
+            "lost_microbatches": self.lost,
+            "retries": self.retries,
+            "peers_per_stage": [len(r.available) for r in self.routers],
+            "param_versions": list(self.versions),
             **wire,
-        }  # fmt: skip
+        }
 
     def _write_stats(self) -> None:
         if self.cfg.stats_file:

@@ -48,8 +48,10 @@ from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 logger = logging.getLogger(__name__)
 
 ALLREDUCE_COMPRESSION: dict[str, CompressionBase] = {
-    "none": NoCompression(), "fp16": Float16Compression(), "blockwise8": BlockwiseQuantization(),
-}  # fmt: skip
+    "none": NoCompression(),
+    "fp16": Float16Compression(),
+    "blockwise8": BlockwiseQuantization(),
+}
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "blockwise8": 1.0 + 4 / 4096}
 
 
@@ -159,21 +161,35 @@ class StageCollaboration:
         self.worker, self.sdht, self.stage, self.cfg = worker, sdht, stage, cfg
         self.epoch = 0  # global batches this peer has finished accumulating
         self.averager = StageAverager(
-            worker, lambda: self.epoch, dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}", start=False,
+            worker,
+            lambda: self.epoch,
+            dht=sdht.dht,
+            prefix=f"{sdht.swarm_name}_stage{stage}",
+            start=False,
             # hivemind: a request_timeout above min_matchmaking_time can deadlock two peers that both lead
-            min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
-            allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
-            compression=ALLREDUCE_COMPRESSION[cfg.allreduce_codec], state_compression=NoCompression(),
-            declare_state_period=5.0, allow_state_sharing=True,
-        )  # fmt: skip
+            min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=cfg.matchmaking_time / 2,
+            allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout,
+            compression=ALLREDUCE_COMPRESSION[cfg.allreduce_codec],
+            state_compression=NoCompression(),
+            declare_state_period=5.0,
+            allow_state_sharing=True,
+        )
         # hivemind's all-reduce hands each peer local + (average - local): equal up to rounding, which Adam can amplify
         # where the averaged gradient is near zero. Averaging the parameters every few epochs pulls peers back together.
         self.param_averager = DecentralizedAverager(
-            [p.detach().cpu().clone() for p in worker.params], dht=sdht.dht, prefix=f"{sdht.swarm_name}_stage{stage}_params",
-            start=False, min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.matchmaking_time / 2,
-            allreduce_timeout=cfg.averaging_timeout, next_chunk_timeout=cfg.averaging_timeout,
-            compression=NoCompression(), allow_state_sharing=False,
-        )  # fmt: skip
+            [p.detach().cpu().clone() for p in worker.params],
+            dht=sdht.dht,
+            prefix=f"{sdht.swarm_name}_stage{stage}_params",
+            start=False,
+            min_matchmaking_time=cfg.matchmaking_time,
+            request_timeout=cfg.matchmaking_time / 2,
+            allreduce_timeout=cfg.averaging_timeout,
+            next_chunk_timeout=cfg.averaging_timeout,
+            compression=NoCompression(),
+            allow_state_sharing=False,
+        )
         self.allreduce_bytes = 0  # estimated: what a butterfly all-reduce of our gradients sends and receives
         self.address = ""  # our own host:port, set by the server once gRPC is bound
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
@@ -244,8 +260,9 @@ class StageCollaboration:
         for channel in self._channels.values():
             await channel.close()
         self._averaging_pool.shutdown(wait=False, cancel_futures=True)
-        await asyncio.gather(*(asyncio.to_thread(a.shutdown) for a in (self.averager, self.param_averager)
-                               if a.is_alive()))  # fmt: skip
+        await asyncio.gather(
+            *(asyncio.to_thread(a.shutdown) for a in (self.averager, self.param_averager) if a.is_alive())
+        )
 
     async def finish_epoch(self, timeout: float) -> int:
         """Before leaving the stage (no new work arrives): wait until our gradients went into an all-reduce, i.e. the
@@ -269,8 +286,15 @@ class StageCollaboration:
         counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
         if msg.address:
             self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
-        logger.debug("progress from %s: epoch %d, %d samples%s (we are at %d, busy=%s)", msg.peer_id[-6:], msg.epoch,
-                     msg.samples, ", end of epoch" if msg.end_epoch else "", self.epoch, self._busy)  # fmt: skip
+        logger.debug(
+            "progress from %s: epoch %d, %d samples%s (we are at %d, busy=%s)",
+            msg.peer_id[-6:],
+            msg.epoch,
+            msg.samples,
+            ", end of epoch" if msg.end_epoch else "",
+            self.epoch,
+            self._busy,
+        )
         if msg.end_epoch and msg.epoch == self.epoch and not self._busy and not self._stopped:
             task = asyncio.get_running_loop().create_task(self._end_epoch_once(int(msg.epoch)))
             self._tasks.add(task)  # asyncio keeps only weak references to tasks
@@ -279,9 +303,15 @@ class StageCollaboration:
         return pb.ProgressAck(epoch=self.epoch)
 
     async def _broadcast(self, end_epoch: bool) -> None:
-        msg = pb.StageProgress(protocol_version=PROTOCOL_VERSION, stage=self.stage, peer_id=self.sdht.peer_id,
-                               epoch=self.epoch, samples=self.worker.samples_accumulated, end_epoch=end_epoch,
-                               address=self.address)  # fmt: skip
+        msg = pb.StageProgress(
+            protocol_version=PROTOCOL_VERSION,
+            stage=self.stage,
+            peer_id=self.sdht.peer_id,
+            epoch=self.epoch,
+            samples=self.worker.samples_accumulated,
+            end_epoch=end_epoch,
+            address=self.address,
+        )
         await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
@@ -392,8 +422,12 @@ class StageCollaboration:
         with self.param_averager.get_tensors() as buffers:
             for buf, p in zip(buffers, self.worker.params, strict=False):
                 buf.copy_(p.detach())
-        control = self.param_averager.step(scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                                           timeout=self.cfg.averaging_timeout, allow_retries=True, wait=False)  # fmt: skip
+        control = self.param_averager.step(
+            scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+            timeout=self.cfg.averaging_timeout,
+            allow_retries=True,
+            wait=False,
+        )
         try:
             result = control.result(timeout=2 * self.cfg.averaging_timeout)
         except Exception as e:
@@ -434,8 +468,13 @@ class StageCollaboration:
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 for buf, g in zip(buffers, grads, strict=True):
                     buf.copy_(g)
-            control = self.averager.step(weight=float(n_samples), scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                                         timeout=self.cfg.averaging_timeout, allow_retries=False, wait=False)  # fmt: skip
+            control = self.averager.step(
+                weight=float(n_samples),
+                scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                timeout=self.cfg.averaging_timeout,
+                allow_retries=False,
+                wait=False,
+            )
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
                 result = control.result(timeout=2 * self.cfg.averaging_timeout)
             except Exception as e:
@@ -453,8 +492,14 @@ class StageCollaboration:
         group = len(result)
         numel = sum(g.numel() for g in grads)
         self.allreduce_bytes += int(2 * numel * BYTES_PER_VALUE[self.cfg.allreduce_codec] * (group - 1) / group)
-        logger.info("stage %d epoch %d: averaged %d samples with %d peers in %.2fs", self.stage, self.epoch,
-                    n_samples, group, time.monotonic() - started)  # fmt: skip
+        logger.info(
+            "stage %d epoch %d: averaged %d samples with %d peers in %.2fs",
+            self.stage,
+            self.epoch,
+            n_samples,
+            group,
+            time.monotonic() - started,
+        )
         with self.averager.get_tensors() as buffers:
             return [b.clone() for b in buffers]
 
@@ -475,11 +520,20 @@ class StageCollaboration:
         ahead = self._peers_ahead(epoch)
         reference = ahead[0] if ahead else min(counts, key=lambda p: (-counts[p], p))
         if reference == me:
-            logger.warning("stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
-                           self.stage, epoch, n_samples)  # fmt: skip
+            logger.warning(
+                "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                self.stage,
+                epoch,
+                n_samples,
+            )
             return grads
-        logger.warning("stage %d epoch %d: copying the state of %s (%s) once it has stepped", self.stage, epoch,
-                       reference[-6:], "finished the epoch" if ahead else f"{counts[reference]} samples")  # fmt: skip
+        logger.warning(
+            "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
+            self.stage,
+            epoch,
+            reference[-6:],
+            "finished the epoch" if ahead else f"{counts[reference]} samples",
+        )
         self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
         try:
             deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
@@ -496,8 +550,12 @@ class StageCollaboration:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
             self.averager.allow_state_sharing = True
-        logger.warning("stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
-                       self.stage, epoch, n_samples)  # fmt: skip
+        logger.warning(
+            "stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
+            self.stage,
+            epoch,
+            n_samples,
+        )
         self.worker.return_gradients(grads, n_samples)
         return None
 
@@ -515,8 +573,13 @@ class StageCollaboration:
                 self._needs_resync = False
                 return
             source = same[0]
-        logger.info("stage %d: behind (epoch %d, swarm at %d) or diverged: downloading the state of %s", self.stage,
-                    self.epoch, ahead, source[-6:])  # fmt: skip
+        logger.info(
+            "stage %d: behind (epoch %d, swarm at %d) or diverged: downloading the state of %s",
+            self.stage,
+            self.epoch,
+            ahead,
+            source[-6:],
+        )
         self._busy = True
         try:
             if await self._download_state(source):

@@ -6,6 +6,16 @@ from swarm.compression.plain import Float16Codec, NoneCodec
 from swarm.compression.registry import CODECS, CODECS_BY_WIRE, get_codec
 
 __all__ = [
-    "CODECS", "CODECS_BY_WIRE", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE", "Blockwise8Codec", "Codec", "CodecError",
-    "Float16Codec", "NoneCodec", "bytes_to_tensor", "get_codec", "tensor_to_bytes",
+    "CODECS",
+    "CODECS_BY_WIRE",
+    "DTYPE_TO_WIRE",
+    "WIRE_TO_DTYPE",
+    "Blockwise8Codec",
+    "Codec",
+    "CodecError",
+    "Float16Codec",
+    "NoneCodec",
+    "bytes_to_tensor",
+    "get_codec",
+    "tensor_to_bytes",
 ]

@@ -22,7 +22,9 @@ def _check_registry() -> None:
     """The wire enum and the registry must name the same codecs, or a peer could send what nobody decodes."""
     enum = {value for _, value in pb.Codec.items()}
     if set(CODECS_BY_WIRE) != enum or len(CODECS_BY_WIRE) != len(CODECS):
-        raise ImportError(f"codec registry {sorted(CODECS_BY_WIRE)} does not match wire.proto's Codec enum {sorted(enum)}")
+        raise ImportError(
+            f"codec registry {sorted(CODECS_BY_WIRE)} does not match wire.proto's Codec enum {sorted(enum)}"
+        )
 
 
 _check_registry()

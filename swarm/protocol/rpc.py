@@ -49,7 +49,7 @@ class StageStub:
         )
 
     def method(self, name: str):
-        """"Forward" or "Backward"."""
+        """ "Forward" or "Backward"."""
         return {"Forward": self.forward, "Backward": self.backward}[name]
 
 

@@ -33,9 +33,13 @@ def encode_tensor(name: str, t: torch.Tensor, codec: Codec) -> EncodedTensor:
         codec = NoneCodec()  # ids and labels travel exactly
     extra, payload = codec.encode(t)
     header = pb.TensorHeader(
-        name=name, codec=codec.wire, dtype=DTYPE_TO_WIRE[t.dtype], shape=list(t.shape), payload_bytes=len(payload),
+        name=name,
+        codec=codec.wire,
+        dtype=DTYPE_TO_WIRE[t.dtype],
+        shape=list(t.shape),
+        payload_bytes=len(payload),
         **extra,
-    )  # fmt: skip
+    )
     return EncodedTensor(header, payload)
 
 

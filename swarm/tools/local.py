@@ -82,8 +82,10 @@ class LocalConfig:
         if len(counts) == 1:
             counts *= self.stages
         if len(counts) != self.stages or min(counts) < 1:
-            raise ValueError(f"--servers-per-stage must be one count >= 1 or {self.stages} comma-separated counts "
-                             f"(one per stage), got {self.servers_per_stage!r}")  # fmt: skip
+            raise ValueError(
+                f"--servers-per-stage must be one count >= 1 or {self.stages} comma-separated counts "
+                f"(one per stage), got {self.servers_per_stage!r}"
+            )
         return counts
 
 
@@ -121,9 +123,14 @@ class LocalSwarm:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+                [sys.executable, "-m", module, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         self.children[name] = child = Child(name, proc, log_path)
         return child
 
@@ -142,9 +149,24 @@ class LocalSwarm:
         return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
 
     def start_server(self, name: str, stage: int | str, extra: list[str] = ()) -> Child:
-        args = ["--stage", str(stage), "--host", "127.0.0.1", "--announce-period", "2", "--record-ttl", "8",
-                "--torch-threads", "1", "--matchmaking-time", "0.5", "--progress-period", "0.2",
-                *self._common(), *extra]  # fmt: skip
+        args = [
+            "--stage",
+            str(stage),
+            "--host",
+            "127.0.0.1",
+            "--announce-period",
+            "2",
+            "--record-ttl",
+            "8",
+            "--torch-threads",
+            "1",
+            "--matchmaking-time",
+            "0.5",
+            "--progress-period",
+            "0.2",
+            *self._common(),
+            *extra,
+        ]
         return self.spawn(name, "server.main", args)
 
     def start_trainer(self, name: str, extra: list[str] = ()) -> Child:
@@ -217,22 +239,36 @@ def aggregate(stats: list[dict], elapsed: float) -> dict:
 def progress_line(agg: dict) -> str:
     loss = f"{agg['final_loss']:.3f}" if agg["final_loss"] is not None else "-"
     ratio = agg["fp32_bytes"] / agg["wire_bytes"] if agg["wire_bytes"] else 0.0
-    return (f"[{agg['training_seconds']:6.0f}s] step {agg['steps']:5d} | loss {loss} | {agg['samples_per_second']:5.1f} "
-            f"samples/s | peers/stage {'/'.join(map(str, agg['peers_per_stage'])) or '-'} | wire "
-            f"{agg['wire_bytes'] / 1e6:7.1f} MB ({ratio:.2f}x < fp32) | lost {agg['lost_microbatches']}")  # fmt: skip
+    return (
+        f"[{agg['training_seconds']:6.0f}s] step {agg['steps']:5d} | loss {loss} | {agg['samples_per_second']:5.1f} "
+        f"samples/s | peers/stage {'/'.join(map(str, agg['peers_per_stage'])) or '-'} | wire "
+        f"{agg['wire_bytes'] / 1e6:7.1f} MB ({ratio:.2f}x < fp32) | lost {agg['lost_microbatches']}"
+    )
 
 
 def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
     model_args = ["--preset", cfg.preset, "--n-stages", str(cfg.stages)]
     tty = sys.stdout.isatty()
-    print(f"swarm-local: {cfg.stages} stages, servers {'/'.join(map(str, cfg.allocation))}, {cfg.trainers} trainers; "
-          f"logs in {log_dir}", flush=True)  # fmt: skip
+    print(
+        f"swarm-local: {cfg.stages} stages, servers {'/'.join(map(str, cfg.allocation))}, {cfg.trainers} trainers; "
+        f"logs in {log_dir}",
+        flush=True,
+    )
     with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
         swarm.start_dht()
-        server_args = ["--samples-per-step", str(cfg.samples_per_step), "--lr", str(cfg.lr),
-                       "--rebalance-period-s", str(cfg.rebalance_period_s),
-                       "--rebalance-cooldown-s", str(2 * cfg.rebalance_period_s), "--slowdown", str(cfg.slowdown)]  # fmt: skip
+        server_args = [
+            "--samples-per-step",
+            str(cfg.samples_per_step),
+            "--lr",
+            str(cfg.lr),
+            "--rebalance-period-s",
+            str(cfg.rebalance_period_s),
+            "--rebalance-cooldown-s",
+            str(2 * cfg.rebalance_period_s),
+            "--slowdown",
+            str(cfg.slowdown),
+        ]
         server_args += ["--delay-optimizer-step"] if cfg.delay_optimizer_step else []
         for stage, count in enumerate(cfg.allocation):
             for r in range(count):
@@ -265,8 +301,11 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     if cfg.summary_json:
         Path(cfg.summary_json).write_text(json.dumps(summary, indent=2))
     if agg["initial_loss"] and agg["final_loss"]:
-        print(f"loss {agg['initial_loss']:.3f} -> {agg['final_loss']:.3f} "
-              f"({agg['final_loss'] / agg['initial_loss']:.0%} of initial) in {agg['steps']} microbatches", flush=True)  # fmt: skip
+        print(
+            f"loss {agg['initial_loss']:.3f} -> {agg['final_loss']:.3f} "
+            f"({agg['final_loss'] / agg['initial_loss']:.0%} of initial) in {agg['steps']} microbatches",
+            flush=True,
+        )
     return summary
 
 

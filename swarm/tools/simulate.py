@@ -271,8 +271,11 @@ def simulate(trace: list[Event], sim: SimConfig, policy: RebalanceConfig | None)
 
 def policies(periods: list[float], base: RebalanceConfig) -> list[tuple[str, RebalanceConfig | None]]:
     """The compared rebalancers ("Alg.2": the paper's as written; "swarm": ours); the optimum is every %'s base."""
-    rules = [(f"{label} T={p:g}s", dataclasses.replace(base, algorithm=algo, period_s=p))
-             for algo, label in (("paper", "Alg.2"), ("swarm", "swarm")) for p in periods]  # fmt: skip
+    rules = [
+        (f"{label} T={p:g}s", dataclasses.replace(base, algorithm=algo, period_s=p))
+        for algo, label in (("paper", "Alg.2"), ("swarm", "swarm"))
+        for p in periods
+    ]
     return [("no rebalancing", None), *rules]
 
 
@@ -370,8 +373,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
     stages = [] if args.trace_csv else sorted(set(args.scaling_stages) - {sim.n_stages})
-    result: dict = {"n_stages": sim.n_stages, "sim": dataclasses.asdict(sim), "rebalance": dataclasses.asdict(base),
-                    "seeds": args.seeds, "periods": args.periods, "scaling": {}}  # fmt: skip
+    result: dict = {
+        "n_stages": sim.n_stages,
+        "sim": dataclasses.asdict(sim),
+        "rebalance": dataclasses.asdict(base),
+        "seeds": args.seeds,
+        "periods": args.periods,
+        "scaling": {},
+    }
     for n in [sim.n_stages, *stages]:
         started = time.perf_counter()
         out = run_experiment(dataclasses.replace(sim, n_stages=n), base, args.periods, args.seeds, args.trace_csv)
@@ -379,8 +388,13 @@ def main(argv: list[str] | None = None) -> None:
         result["scaling"][str(n)] = {name: r["overall"] for name, r in out["table"].items()}
         if n == sim.n_stages:
             result["main"] = out
-    print(format_table(result["main"]["table"], f"% of optimal throughput, {sim.n_stages} stages, {sim.hours:g} h, "
-                       f"{args.seeds} seeds (mean ± sd over seeds), migration {sim.migration_s:g} s"))  # fmt: skip
+    print(
+        format_table(
+            result["main"]["table"],
+            f"% of optimal throughput, {sim.n_stages} stages, {sim.hours:g} h, "
+            f"{args.seeds} seeds (mean ± sd over seeds), migration {sim.migration_s:g} s",
+        )
+    )
     names = list(result["main"]["table"])
     print("\noverall % of optimal by pipeline depth\n" + f"{'stages':<8}" + "".join(f"{n:>16}" for n in names))
     for n in sorted(result["scaling"], key=int):

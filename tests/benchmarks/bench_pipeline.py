@@ -109,10 +109,14 @@ def main(argv: list[str] | None = None) -> dict:
         overrides["n_stages"] = args.stages
     base = model_config(args.preset, **overrides)
     n_stages = base.n_stages
-    layouts = {"shared": dataclasses.replace(base, share_layers=True),
-               "unshared": dataclasses.replace(base, share_layers=False)}  # fmt: skip
-    common.log(f"bench_pipeline on {device}: {n_stages} stages, batch {args.batch_size}, in-flight {args.in_flight},"
-               f" {repeats} round(s), window {window:.0f}s")  # fmt: skip
+    layouts = {
+        "shared": dataclasses.replace(base, share_layers=True),
+        "unshared": dataclasses.replace(base, share_layers=False),
+    }
+    common.log(
+        f"bench_pipeline on {device}: {n_stages} stages, batch {args.batch_size}, in-flight {args.in_flight},"
+        f" {repeats} round(s), window {window:.0f}s"
+    )
 
     results: dict[str, dict[str, list[dict]]] = {k: {} for k in layouts}
     runs: dict[str, list[dict]] = {k: [] for k in layouts}
@@ -120,17 +124,34 @@ def main(argv: list[str] | None = None) -> dict:
     with swarm:
         swarm.start_dht()
         corpus = swarmrun.small_corpus(swarm.log_dir / "corpus.txt")
-        model_flags = ["--preset", args.preset,
-                       *sum((["--" + k.replace("_", "-"), str(v)] for k, v in overrides.items()), [])]  # fmt: skip
+        model_flags = [
+            "--preset",
+            args.preset,
+            *sum((["--" + k.replace("_", "-"), str(v)] for k, v in overrides.items()), []),
+        ]
         for layout, cfg in layouts.items():  # one layout's servers at a time: idle servers are not free on 2 cores
             share = "--share-layers" if layout == "shared" else "--no-share-layers"
             addresses = {}
             for s in range(n_stages):
                 port = common.free_port()
                 name = f"server-{layout}-s{s}"
-                swarm.start_server(name, s, swarmrun.server_args(port, f"pipe-{layout}", [
-                    *model_flags, share, "--samples-per-step", str(args.samples_per_step), "--device", str(device),
-                    *shlex.split(args.server_args)]))  # fmt: skip
+                swarm.start_server(
+                    name,
+                    s,
+                    swarmrun.server_args(
+                        port,
+                        f"pipe-{layout}",
+                        [
+                            *model_flags,
+                            share,
+                            "--samples-per-step",
+                            str(args.samples_per_step),
+                            "--device",
+                            str(device),
+                            *shlex.split(args.server_args),
+                        ],
+                    ),
+                )
                 addresses[name] = f"127.0.0.1:{port}"
             swarmrun.wait_ready(swarm, addresses)
             common.log(f"{layout}: servers ready")
@@ -150,11 +171,27 @@ def main(argv: list[str] | None = None) -> dict:
                     def read_cpu(tag: str) -> None:
                         cpu[tag] = swarmrun.cpu_breakdown(swarm)
 
-                    r = swarmrun.measure_trainer(swarm, name, [
-                        "--swarm-name", f"pipe-{layout}", *model_flags, "--share-layers" if layout == "shared" else
-                        "--no-share-layers", "--batch-size", str(args.batch_size), "--in-flight", str(args.in_flight),
-                        "--codec", codec, "--data", corpus], window=window, warmup_steps=args.in_flight,
-                        between=read_cpu)  # fmt: skip
+                    r = swarmrun.measure_trainer(
+                        swarm,
+                        name,
+                        [
+                            "--swarm-name",
+                            f"pipe-{layout}",
+                            *model_flags,
+                            "--share-layers" if layout == "shared" else "--no-share-layers",
+                            "--batch-size",
+                            str(args.batch_size),
+                            "--in-flight",
+                            str(args.in_flight),
+                            "--codec",
+                            codec,
+                            "--data",
+                            corpus,
+                        ],
+                        window=window,
+                        warmup_steps=args.in_flight,
+                        between=read_cpu,
+                    )
                     used = {k: v - cpu["start"].get(k, 0.0) for k, v in cpu["end"].items()}
                     r["cpu_seconds"] = sum(used.values())
                     r["cpu_seconds_by_process"] = {k: round(v, 2) for k, v in sorted(used.items()) if v >= 0.01}
@@ -179,11 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
         cpu = {n: [x["cpu"] for x in v] for n, v in res.items()}
         best_wall = [max(vals) for vals in zip(*(wall[n] for n in best_names), strict=True)]
         best_cpu = cpu[best_names[0]]  # 1 thread: no spinning helper threads in its CPU time
-        report[layout] = {"samples_per_second": {n: common.summary(v) for n, v in wall.items()},
-                          "samples_per_cpu_second": {n: common.summary(v) for n, v in cpu.items()}, "runs": runs[layout]}  # fmt: skip
+        report[layout] = {
+            "samples_per_second": {n: common.summary(v) for n, v in wall.items()},
+            "samples_per_cpu_second": {n: common.summary(v) for n, v in cpu.items()},
+            "runs": runs[layout],
+        }
         for name in best_names:
-            rows.append(["-", "-", layout, name, common.fmt(common.summary(wall[name])),
-                         common.fmt(common.summary(cpu[name]))])  # fmt: skip
+            rows.append(
+                ["-", "-", layout, name, common.fmt(common.summary(wall[name])), common.fmt(common.summary(cpu[name]))]
+            )
         for codec in CODECS:
             name = f"swarm, {codec}"
             eff = common.summary(common.per_round_ratio(wall[name], best_wall))
@@ -191,32 +232,54 @@ def main(argv: list[str] | None = None) -> dict:
             eff_cpu = common.summary(common.per_round_ratio(cpu[name], best_cpu) if on_cpu else [])
             report[layout][f"efficiency_{codec}"] = eff
             report[layout][f"cpu_efficiency_{codec}"] = eff_cpu
-            rows.append([common.fmt(eff), common.fmt(eff_cpu), layout, name, common.fmt(common.summary(wall[name])),
-                         common.fmt(common.summary(cpu[name]))])  # fmt: skip
+            rows.append(
+                [
+                    common.fmt(eff),
+                    common.fmt(eff_cpu),
+                    layout,
+                    name,
+                    common.fmt(common.summary(wall[name])),
+                    common.fmt(common.summary(cpu[name])),
+                ]
+            )
     load = os.getloadavg()[0]
-    common.table(f"pipeline efficiency: {n_stages} stages x 1 server, 1 trainer (in-flight {args.in_flight}), batch "
-                 f"{args.batch_size}, on {device}; median [min-max] of {repeats} round(s); load average now {load:.1f}",
-                 ["wall: swarm/best", "CPU: swarm/best 1 thread", "blocks", "variant", "samples/s",
-                  "samples/CPU-s"], rows)  # fmt: skip
+    common.table(
+        f"pipeline efficiency: {n_stages} stages x 1 server, 1 trainer (in-flight {args.in_flight}), batch "
+        f"{args.batch_size}, on {device}; median [min-max] of {repeats} round(s); load average now {load:.1f}",
+        ["wall: swarm/best", "CPU: swarm/best 1 thread", "blocks", "variant", "samples/s", "samples/CPU-s"],
+        rows,
+    )
     effs = [report[k][f"efficiency_{c}"]["median"] for k in layouts for c in CODECS]
     effs_cpu = [report[k][f"cpu_efficiency_{c}"]["median"] for k in layouts for c in CODECS]
     print(
         f"efficiency {min(effs):.3f}-{max(effs):.3f} of the in-process best case in wall time, {min(effs_cpu):.3f}-"
         f"{max(effs_cpu):.3f} per CPU-second; target {TARGET}"
     )
-    print("codec work of a middle server per microbatch as % of its compute: "
-          + ", ".join(f"{n} {common.fmt(c['fraction_of_compute'], scale=100)}" for n, c in frac["codec"].items()))  # fmt: skip
+    print(
+        "codec work of a middle server per microbatch as % of its compute: "
+        + ", ".join(f"{n} {common.fmt(c['fraction_of_compute'], scale=100)}" for n, c in frac["codec"].items())
+    )
     result = {
-        "benchmark": "pipeline", "hardware": common.hardware(), "device": str(device),
-        "model": {k: dataclasses.asdict(v) for k, v in layouts.items()}, "batch_size": args.batch_size,
-        "in_flight": args.in_flight, "server_args": args.server_args, "samples_per_step": args.samples_per_step, "window_s": window,
-        "repeats": repeats, "results": report, "target": TARGET, "codec_fraction_of_compute": frac,
+        "benchmark": "pipeline",
+        "hardware": common.hardware(),
+        "device": str(device),
+        "model": {k: dataclasses.asdict(v) for k, v in layouts.items()},
+        "batch_size": args.batch_size,
+        "in_flight": args.in_flight,
+        "server_args": args.server_args,
+        "samples_per_step": args.samples_per_step,
+        "window_s": window,
+        "repeats": repeats,
+        "results": report,
+        "target": TARGET,
+        "codec_fraction_of_compute": frac,
         "fairness": "servers and trainer: 1 torch thread each, S+1 processes on all cores; best case: 1 process, "
-                    "max over 1 thread and all cores, run while the servers are idle. Wall-time ratios need an idle "
-                    "machine (under outside load S+1 processes get a larger share of the CPU than 1 process); the "
-                    "CPU-time ratio (samples per CPU-second of every swarm process incl. DHT and p2pd, against the "
-                    "1-thread best case) does not.", "load_average_1m_at_end": os.getloadavg()[0],
-    }  # fmt: skip
+        "max over 1 thread and all cores, run while the servers are idle. Wall-time ratios need an idle "
+        "machine (under outside load S+1 processes get a larger share of the CPU than 1 process); the "
+        "CPU-time ratio (samples per CPU-second of every swarm process incl. DHT and p2pd, against the "
+        "1-thread best case) does not.",
+        "load_average_1m_at_end": os.getloadavg()[0],
+    }
     common.write_json(args.out, "pipeline", result)
     return result
 

@@ -44,14 +44,24 @@ TARGET_THROUGHPUT = 0.95
 TARGET_SHARE = 0.05  # absolute
 
 
-async def capacities(addresses: dict[str, str], stage: int, d_model: int, seq: int, batch: int, codec: str,
-                     seconds: float, concurrency: int = 2) -> dict[str, float]:  # fmt: skip
+async def capacities(
+    addresses: dict[str, str],
+    stage: int,
+    d_model: int,
+    seq: int,
+    batch: int,
+    codec: str,
+    seconds: float,
+    concurrency: int = 2,
+) -> dict[str, float]:
     """Samples/s each server sustains alone on last-stage Backward calls (after a warm-up of all of them), one server
     at a time, `concurrency` calls in flight so that its queue never runs dry."""
     client = StageClient(get_codec(codec), WireStats(), max_tensor_bytes=1 << 30)
     gen = torch.Generator().manual_seed(0)
-    tensors = {"inputs": torch.randn(batch, seq, d_model, generator=gen),
-               "labels": torch.randint(0, 256, (batch, seq), generator=gen)}  # fmt: skip
+    tensors = {
+        "inputs": torch.randn(batch, seq, d_model, generator=gen),
+        "labels": torch.randint(0, 256, (batch, seq), generator=gen),
+    }
     shape = (batch, seq, d_model)
 
     async def call(address: str) -> None:
@@ -84,8 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="local_debug")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--base-slowdown", type=float, default=4.0, help="every stage-1 server is this much slower, times "
-                   "its own 1/2/4 (default 4)")  # fmt: skip
+    p.add_argument(
+        "--base-slowdown",
+        type=float,
+        default=4.0,
+        help="every stage-1 server is this much slower, times " "its own 1/2/4 (default 4)",
+    )
     p.add_argument("--in-flight", type=int, default=16)
     p.add_argument("--codec", default="blockwise8")
     p.add_argument("--window", type=float, default=None, help="seconds measured per swarm run")
@@ -111,16 +125,30 @@ def main(argv: list[str] | None = None) -> dict:
             addresses[f"server-s0-r{r}"] = f"127.0.0.1:{port}"
         for name, f in zip(names, FACTORS, strict=True):
             port = common.free_port()
-            swarm.start_server(name, 1, swarmrun.server_args(port, "routing", [
-                *model_flags, *extra, "--slowdown", str(f * args.base_slowdown)]))  # fmt: skip
+            swarm.start_server(
+                name,
+                1,
+                swarmrun.server_args(
+                    port, "routing", [*model_flags, *extra, "--slowdown", str(f * args.base_slowdown)]
+                ),
+            )
             addresses[name] = f"127.0.0.1:{port}"
         swarmrun.wait_ready(swarm, addresses)
         common.log("servers ready")
 
         for r in range(repeats):
             common.log(f"round {r}: capacity of each stage-1 server alone")
-            capacity = asyncio.run(capacities({n: addresses[n] for n in names}, 1, cfg.d_model, cfg.max_seq_len,
-                                              args.batch_size, args.codec, cap_seconds))  # fmt: skip
+            capacity = asyncio.run(
+                capacities(
+                    {n: addresses[n] for n in names},
+                    1,
+                    cfg.d_model,
+                    cfg.max_seq_len,
+                    args.batch_size,
+                    args.codec,
+                    cap_seconds,
+                )
+            )
             common.log(f"round {r}: capacities {({n: round(c, 2) for n, c in capacity.items()})}")
             counters: dict[str, dict] = {}
 
@@ -137,32 +165,60 @@ def main(argv: list[str] | None = None) -> dict:
                     counters["busy"] = poller.stop()
 
             common.log(f"round {r}: swarm, trainer in-flight {args.in_flight}")
-            trainer = swarmrun.measure_trainer(swarm, f"trainer-{r}", [
-                "--swarm-name", "routing", *model_flags, "--batch-size", str(args.batch_size), "--in-flight",
-                str(args.in_flight), "--codec", args.codec, "--data", corpus], window=window,
-                warmup_steps=3 * args.in_flight, between=read)  # fmt: skip
+            trainer = swarmrun.measure_trainer(
+                swarm,
+                f"trainer-{r}",
+                [
+                    "--swarm-name",
+                    "routing",
+                    *model_flags,
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--in-flight",
+                    str(args.in_flight),
+                    "--codec",
+                    args.codec,
+                    "--data",
+                    corpus,
+                ],
+                window=window,
+                warmup_steps=3 * args.in_flight,
+                between=read,
+            )
             seconds = counters["end"]["t"] - counters["start"]["t"]
             busy, total, ours = (b - a for a, b in zip(counters["start_cpu"], counters["end_cpu"], strict=True))
             done = {n: counters["end"][n] - counters["start"][n] for n in names}
             total = sum(done.values())
-            rounds.append({
-                "capacity_alone": capacity, "samples_in_window": done, "window_s": seconds,
-                "stage_throughput": total / seconds, "capacity_sum": sum(capacity.values()),
-                "throughput_vs_capacity": total / seconds / sum(capacity.values()),
-                "share": {n: done[n] / total for n in names},
-                "capacity_share": {n: capacity[n] / sum(capacity.values()) for n in names},
-                "capacity_share_in_swarm": {n: v / sum(counters["end_ema"].values()) for n, v in counters["end_ema"].items()},
-                "busy_fraction": counters["busy"], "trainer": trainer,
-                "capacity_in_swarm": counters["end_ema"],  # the servers' own EMA of samples/s (slowdown included)
-                "throughput_vs_capacity_in_swarm": total / seconds / sum(counters["end_ema"].values()),
-                # over the window, in cores: the whole machine's CPU use, and this benchmark's swarm's (the rest is
-                # other processes on the machine, competing with the swarm)
-                "machine_cores_busy": busy / seconds, "swarm_cores_busy": ours / seconds,
-                "cores": os.cpu_count(), "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            })  # fmt: skip
-            common.log(f"round {r}: shares {({n: round(v, 3) for n, v in rounds[-1]['share'].items()})}, busy "
-                       f"{({n: round(v, 2) for n, v in counters['busy'].items()})}, cores busy: machine "
-                       f"{busy / seconds:.2f} of {os.cpu_count()}, this swarm {ours / seconds:.2f}")  # fmt: skip
+            rounds.append(
+                {
+                    "capacity_alone": capacity,
+                    "samples_in_window": done,
+                    "window_s": seconds,
+                    "stage_throughput": total / seconds,
+                    "capacity_sum": sum(capacity.values()),
+                    "throughput_vs_capacity": total / seconds / sum(capacity.values()),
+                    "share": {n: done[n] / total for n in names},
+                    "capacity_share": {n: capacity[n] / sum(capacity.values()) for n in names},
+                    "capacity_share_in_swarm": {
+                        n: v / sum(counters["end_ema"].values()) for n, v in counters["end_ema"].items()
+                    },
+                    "busy_fraction": counters["busy"],
+                    "trainer": trainer,
+                    "capacity_in_swarm": counters["end_ema"],  # the servers' own EMA of samples/s (slowdown included)
+                    "throughput_vs_capacity_in_swarm": total / seconds / sum(counters["end_ema"].values()),
+                    # over the window, in cores: the whole machine's CPU use, and this benchmark's swarm's (the rest is
+                    # other processes on the machine, competing with the swarm)
+                    "machine_cores_busy": busy / seconds,
+                    "swarm_cores_busy": ours / seconds,
+                    "cores": os.cpu_count(),
+                    "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                }
+            )
+            common.log(
+                f"round {r}: shares {({n: round(v, 3) for n, v in rounds[-1]['share'].items()})}, busy "
+                f"{({n: round(v, 2) for n, v in counters['busy'].items()})}, cores busy: machine "
+                f"{busy / seconds:.2f} of {os.cpu_count()}, this swarm {ours / seconds:.2f}"
+            )
 
     nominal = {n: (1 / f) / sum(1 / g for g in FACTORS) for n, f in zip(names, FACTORS, strict=True)}
     rows, report = [], {"servers": {}}
@@ -173,15 +229,44 @@ def main(argv: list[str] | None = None) -> dict:
         cap = common.summary([x["capacity_alone"][n] for x in rounds])
         busy = common.summary([x["busy_fraction"][n] for x in rounds])
         cap_share_in = common.summary([x["capacity_share_in_swarm"][n] for x in rounds])
-        report["servers"][n] = {"slowdown": f * args.base_slowdown, "share": share, "capacity_share": cap_share,
-                                "share_minus_capacity_share": err, "capacity_alone": cap, "nominal_share": nominal[n],
-                                "busy_fraction": busy, "capacity_share_in_swarm": cap_share_in}  # fmt: skip
-        rows.append([common.fmt(err, 2, 100), n, f"{f * args.base_slowdown:g}x", common.fmt(share, 3, 100),
-                     common.fmt(cap_share, 3, 100), common.fmt(cap_share_in, 3, 100), f"{nominal[n] * 100:.1f}",
-                     common.fmt(cap), common.fmt(busy, 2)])  # fmt: skip
-    common.table(f"stage 1 servers' share of microbatches, {window:.0f}s windows, median [min-max] of {repeats} round(s)",
-                 ["share-capacity alone (pp)", "server", "slowdown", "share %", "capacity share alone %",
-                  "capacity share in swarm %", "nominal %", "alone samples/s", "busy"], rows)  # fmt: skip
+        report["servers"][n] = {
+            "slowdown": f * args.base_slowdown,
+            "share": share,
+            "capacity_share": cap_share,
+            "share_minus_capacity_share": err,
+            "capacity_alone": cap,
+            "nominal_share": nominal[n],
+            "busy_fraction": busy,
+            "capacity_share_in_swarm": cap_share_in,
+        }
+        rows.append(
+            [
+                common.fmt(err, 2, 100),
+                n,
+                f"{f * args.base_slowdown:g}x",
+                common.fmt(share, 3, 100),
+                common.fmt(cap_share, 3, 100),
+                common.fmt(cap_share_in, 3, 100),
+                f"{nominal[n] * 100:.1f}",
+                common.fmt(cap),
+                common.fmt(busy, 2),
+            ]
+        )
+    common.table(
+        f"stage 1 servers' share of microbatches, {window:.0f}s windows, median [min-max] of {repeats} round(s)",
+        [
+            "share-capacity alone (pp)",
+            "server",
+            "slowdown",
+            "share %",
+            "capacity share alone %",
+            "capacity share in swarm %",
+            "nominal %",
+            "alone samples/s",
+            "busy",
+        ],
+        rows,
+    )
     thr = common.summary([x["throughput_vs_capacity"] for x in rounds])
     report["throughput_vs_capacity_sum"] = thr
     thr_in = common.summary([x["throughput_vs_capacity_in_swarm"] for x in rounds])
@@ -191,26 +276,55 @@ def main(argv: list[str] | None = None) -> dict:
     report["capacity_sum"] = common.summary([x["capacity_sum"] for x in rounds])
     report["machine_cores_busy"] = common.summary([x["machine_cores_busy"] for x in rounds])
     report["swarm_cores_busy"] = common.summary([x["swarm_cores_busy"] for x in rounds])
-    common.table("stage 1 throughput against the sum of its servers' capacities, alone (driven by this process before "
-                 "the run) and in the swarm (each server's own EMA of samples/s at the window's end); cores busy in "
-                 f"the window, of {os.cpu_count()}: the whole machine's and this swarm's",
-                 ["throughput/sum alone", "throughput/sum in swarm", "stage samples/s", "sum alone", "sum in swarm",
-                  "machine cores busy", "swarm cores busy"],
-                 [[common.fmt(thr), common.fmt(thr_in), common.fmt(report["stage_throughput"]),
-                   common.fmt(report["capacity_sum"]), common.fmt(report["capacity_in_swarm_sum"]),
-                   common.fmt(report["machine_cores_busy"], 2), common.fmt(report["swarm_cores_busy"], 2)]])  # fmt: skip
+    common.table(
+        "stage 1 throughput against the sum of its servers' capacities, alone (driven by this process before "
+        "the run) and in the swarm (each server's own EMA of samples/s at the window's end); cores busy in "
+        f"the window, of {os.cpu_count()}: the whole machine's and this swarm's",
+        [
+            "throughput/sum alone",
+            "throughput/sum in swarm",
+            "stage samples/s",
+            "sum alone",
+            "sum in swarm",
+            "machine cores busy",
+            "swarm cores busy",
+        ],
+        [
+            [
+                common.fmt(thr),
+                common.fmt(thr_in),
+                common.fmt(report["stage_throughput"]),
+                common.fmt(report["capacity_sum"]),
+                common.fmt(report["capacity_in_swarm_sum"]),
+                common.fmt(report["machine_cores_busy"], 2),
+                common.fmt(report["swarm_cores_busy"], 2),
+            ]
+        ],
+    )
     worst = max(abs(x["share"][n] - x["capacity_share"][n]) for x in rounds for n in names)
     worst_in = max(abs(x["share"][n] - x["capacity_share_in_swarm"][n]) for x in rounds for n in names)
-    print(f"throughput {thr['median']:.3f} of the sum of capacities alone, {thr_in['median']:.3f} of the sum in the swarm"
-          f" (target {TARGET_THROUGHPUT}); worst share error {worst * 100:.1f} pp against capacities alone, "
-          f"{worst_in * 100:.1f} pp against capacities in the swarm (target {TARGET_SHARE * 100:.0f})")  # fmt: skip
+    print(
+        f"throughput {thr['median']:.3f} of the sum of capacities alone, {thr_in['median']:.3f} of the sum in the swarm"
+        f" (target {TARGET_THROUGHPUT}); worst share error {worst * 100:.1f} pp against capacities alone, "
+        f"{worst_in * 100:.1f} pp against capacities in the swarm (target {TARGET_SHARE * 100:.0f})"
+    )
     result = {
-        "benchmark": "routing", "hardware": common.hardware(), "model": model_flags, "batch_size": args.batch_size,
-        "base_slowdown": args.base_slowdown, "factors": FACTORS, "in_flight": args.in_flight, "codec": args.codec,
-        "window_s": window, "repeats": repeats, "server_args": extra, "rounds": rounds, **report,
+        "benchmark": "routing",
+        "hardware": common.hardware(),
+        "model": model_flags,
+        "batch_size": args.batch_size,
+        "base_slowdown": args.base_slowdown,
+        "factors": FACTORS,
+        "in_flight": args.in_flight,
+        "codec": args.codec,
+        "window_s": window,
+        "repeats": repeats,
+        "server_args": extra,
+        "rounds": rounds,
+        **report,
         "targets": {"throughput": TARGET_THROUGHPUT, "share_abs": TARGET_SHARE},
         "load_average_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }  # fmt: skip
+    }
     common.write_json(args.out, "routing", result)
     return result
 

@@ -75,8 +75,9 @@ async def run(repeats: int) -> dict:
     channel = aio_channel(echo_address)
     echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
     try:
-        async with InProcessStages(cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1],
-                                   worker_cls=IdentityWorker) as stages:  # fmt: skip
+        async with InProcessStages(
+            cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1], worker_cls=IdentityWorker
+        ) as stages:
             address = stages.addresses[1]
 
             def stage_call(client: StageClient):
@@ -122,8 +123,13 @@ async def run(repeats: int) -> dict:
                 common.per_round_ratio(raw_8bit if "8" in name else raw_fp32, ts)
             ),
         }
-    return {"shape": list(SHAPE), "fp32_bytes": fp32_bytes, "payload_bytes": payload_bytes, "variants": variants,
-            "model": dataclasses.asdict(cfg)}  # fmt: skip
+    return {
+        "shape": list(SHAPE),
+        "fp32_bytes": fp32_bytes,
+        "payload_bytes": payload_bytes,
+        "variants": variants,
+        "model": dataclasses.asdict(cfg),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,16 +141,31 @@ def main(argv: list[str] | None = None) -> dict:
     result = uvloop.run(run(repeats))
     rows = []
     for name, v in result["variants"].items():
-        rows.append([common.fmt(v["throughput_vs_raw_same_bytes"]), common.fmt(v["throughput_vs_raw_fp32"]), name,
-                     common.fmt(v["seconds"], scale=1e3), common.fmt(v["activation_gb_per_s"])])  # fmt: skip
-    common.table(f"round trip of a {list(SHAPE)} fp32 activation ({result['fp32_bytes'] / 2**20:.0f} MiB each way), "
-                 f"median [min-max] of {repeats} interleaved rounds",
-                 ["vs raw, same bytes", "vs raw, fp32 bytes", "variant", "ms", "activation GB/s"], rows)  # fmt: skip
+        rows.append(
+            [
+                common.fmt(v["throughput_vs_raw_same_bytes"]),
+                common.fmt(v["throughput_vs_raw_fp32"]),
+                name,
+                common.fmt(v["seconds"], scale=1e3),
+                common.fmt(v["activation_gb_per_s"]),
+            ]
+        )
+    common.table(
+        f"round trip of a {list(SHAPE)} fp32 activation ({result['fp32_bytes'] / 2**20:.0f} MiB each way), "
+        f"median [min-max] of {repeats} interleaved rounds",
+        ["vs raw, same bytes", "vs raw, fp32 bytes", "variant", "ms", "activation GB/s"],
+        rows,
+    )
     ratio = result["variants"]["stage RPC, codec none"]["throughput_vs_raw_same_bytes"]["median"]
     verdict = "meets" if ratio >= TARGET else "falls short of"
     print(f"stage RPC (codec none) reaches {ratio:.3f} of raw gRPC throughput; {verdict} the target {TARGET}")
-    result.update(benchmark="transport", hardware=common.hardware(), repeats=repeats, target=TARGET,
-                  note="stage compute replaced by the identity; everything else on the RPC path is real")  # fmt: skip
+    result.update(
+        benchmark="transport",
+        hardware=common.hardware(),
+        repeats=repeats,
+        target=TARGET,
+        note="stage compute replaced by the identity; everything else on the RPC path is real",
+    )
     common.write_json(args.out, "transport", result)
     return result
 

@@ -79,11 +79,31 @@ def main(argv: list[str] | None = None) -> dict:
     codecs = args.codecs.split(",") if args.codecs else (["blockwise8"] if args.quick else ["none", "blockwise8"])
     cells = QUICK_CELLS if args.quick else [(r, t) for r in RATES for t in RTTS if (r, t) != (0.0, 0.0)]
     passes = args.repeats or 1
-    cfg = model_config("local_debug", n_stages=args.stages, d_model=args.d_model, n_heads=8, d_ff=3 * args.d_model,
-                       layers_per_stage=args.layers_per_stage, max_seq_len=args.seq_len)  # fmt: skip
-    model_flags = ["--preset", "local_debug", "--n-stages", str(args.stages), "--d-model", str(args.d_model),
-                   "--n-heads", "8", "--d-ff", str(3 * args.d_model), "--layers-per-stage", str(args.layers_per_stage),
-                   "--max-seq-len", str(args.seq_len)]  # fmt: skip
+    cfg = model_config(
+        "local_debug",
+        n_stages=args.stages,
+        d_model=args.d_model,
+        n_heads=8,
+        d_ff=3 * args.d_model,
+        layers_per_stage=args.layers_per_stage,
+        max_seq_len=args.seq_len,
+    )
+    model_flags = [
+        "--preset",
+        "local_debug",
+        "--n-stages",
+        str(args.stages),
+        "--d-model",
+        str(args.d_model),
+        "--n-heads",
+        "8",
+        "--d-ff",
+        str(3 * args.d_model),
+        "--layers-per-stage",
+        str(args.layers_per_stage),
+        "--max-seq-len",
+        str(args.seq_len),
+    ]
 
     common.log("wan: checking the emulator")
     emulator = asyncio.run(
@@ -92,8 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
     compute_s = stage_seconds(cfg, args.batch_size)
     act_bytes = args.batch_size * args.seq_len * args.d_model * 4
     transfer_s = 5 * act_bytes / (100e6 / 8)  # a middle server's 5 activation-sized tensors, fp32, at 100 Mb/s
-    common.log(f"wan: middle stage fwd+bwd {compute_s * 1e3:.0f} ms on 1 thread; its 5 fp32 tensors at 100 Mb/s "
-               f"{transfer_s * 1e3:.0f} ms")  # fmt: skip
+    common.log(
+        f"wan: middle stage fwd+bwd {compute_s * 1e3:.0f} ms on 1 thread; its 5 fp32 tensors at 100 Mb/s "
+        f"{transfer_s * 1e3:.0f} ms"
+    )
 
     sequence: list[tuple[float, float]] = [(0.0, 0.0)]
     for i, cell in enumerate(cells):
@@ -112,16 +134,37 @@ def main(argv: list[str] | None = None) -> dict:
         corpus = swarmrun.small_corpus(swarm.log_dir / "corpus.txt")
         for s, (listen, (_, port)) in enumerate(routes.items()):
             name = f"server-s{s}"
-            swarm.start_server(name, s, swarmrun.server_args(port, "wan", [
-                *model_flags, "--announce-port", str(listen), *shlex.split(args.server_args)]))  # fmt: skip
+            swarm.start_server(
+                name,
+                s,
+                swarmrun.server_args(
+                    port, "wan", [*model_flags, "--announce-port", str(listen), *shlex.split(args.server_args)]
+                ),
+            )
             addresses[name] = f"127.0.0.1:{port}"
         swarmrun.wait_ready(swarm, addresses)
         common.log("servers ready")
         for codec in codecs:
             proxy.set(0.0, 0.0)
-            trainer = swarmrun.TrainerHandle(swarm, f"trainer-{codec}", [
-                "--swarm-name", "wan", *model_flags, "--batch-size", str(args.batch_size), "--in-flight",
-                str(args.in_flight), "--codec", codec, "--data", corpus, "--request-timeout", "120"])  # fmt: skip
+            trainer = swarmrun.TrainerHandle(
+                swarm,
+                f"trainer-{codec}",
+                [
+                    "--swarm-name",
+                    "wan",
+                    *model_flags,
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--in-flight",
+                    str(args.in_flight),
+                    "--codec",
+                    codec,
+                    "--data",
+                    corpus,
+                    "--request-timeout",
+                    "120",
+                ],
+            )
             try:
                 trainer.snapshot(min_steps=args.in_flight)
                 rows = measurements[codec] = []
@@ -139,8 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
                             busiest = max(c["up"]["bytes"] - before[port][0], c["down"]["bytes"] - before[port][1])
                             util = max(util, busiest * 8 / span / (rate * 1e6))
                     rows.append({"rate_mbit": rate, "rtt_ms": rtt, "link_utilization_max": util, **r})
-                    common.log(f"wan {codec}: {' '.join(label(rate, rtt))}: {r['samples_per_second']:.2f} samples/s, "
-                               f"busiest link direction {util:.0%}")  # fmt: skip
+                    common.log(
+                        f"wan {codec}: {' '.join(label(rate, rtt))}: {r['samples_per_second']:.2f} samples/s, "
+                        f"busiest link direction {util:.0%}"
+                    )
             finally:
                 proxy.set(0.0, 0.0)  # the trainer's last microbatches finish fast
                 trainer.stop()
@@ -163,10 +208,15 @@ def main(argv: list[str] | None = None) -> dict:
             cell["utilization"].append(m["link_utilization_max"])
         report[codec] = {
             "no_limit_samples_per_second": common.summary([rows[i]["samples_per_second"] for i in refs]),
-            "cells": {k: {"relative": common.summary(v["relative"]), "samples_per_second":
-                          common.summary(v["samples_per_second"]), "link_utilization_max": common.summary(
-                          v["utilization"])} for k, v in per_cell.items()},
-        }  # fmt: skip
+            "cells": {
+                k: {
+                    "relative": common.summary(v["relative"]),
+                    "samples_per_second": common.summary(v["samples_per_second"]),
+                    "link_utilization_max": common.summary(v["utilization"]),
+                }
+                for k, v in per_cell.items()
+            },
+        }
 
     rtts = sorted({t for _, t in cells} | {0.0})
     rates = [r for r in RATES if any(c[0] == r for c in cells) or r == 0.0]
@@ -185,20 +235,32 @@ def main(argv: list[str] | None = None) -> dict:
                     row.append("")
             rows_out.append(row)
         ref = report[codec]["no_limit_samples_per_second"]
-        common.table(f"relative throughput, codec {codec} (no limit: {common.fmt(ref)} samples/s; in brackets the busiest"
-                     f" link direction's utilization); in-flight {args.in_flight}, window {window:.0f}s",
-                     ["bandwidth \\ RTT", *[f"{t:g} ms" for t in rtts]], rows_out)  # fmt: skip
+        common.table(
+            f"relative throughput, codec {codec} (no limit: {common.fmt(ref)} samples/s; in brackets the busiest"
+            f" link direction's utilization); in-flight {args.in_flight}, window {window:.0f}s",
+            ["bandwidth \\ RTT", *[f"{t:g} ms" for t in rtts]],
+            rows_out,
+        )
     key = "|".join(label(100.0, 100.0))
     headline = report.get("blockwise8", {}).get("cells", {}).get(key, {}).get("relative", {}).get("median")
     if headline is not None:
         verdict = "meets" if headline >= TARGET else "falls short of"
         print(f"blockwise8 at 100 Mb/s, 100 ms RTT: {headline:.3f} of no limit; {verdict} the target {TARGET}")
     result = {
-        "benchmark": "wan", "hardware": common.hardware(), "model_flags": model_flags, "batch_size": args.batch_size,
-        "in_flight": args.in_flight, "window_s": window, "passes": passes, "emulator_check": emulator,
-        "middle_stage_compute_s_1_thread": compute_s, "middle_stage_fp32_transfer_s_at_100mbit": transfer_s,
-        "sequence": measurements, "results": report, "target": TARGET,
-    }  # fmt: skip
+        "benchmark": "wan",
+        "hardware": common.hardware(),
+        "model_flags": model_flags,
+        "batch_size": args.batch_size,
+        "in_flight": args.in_flight,
+        "window_s": window,
+        "passes": passes,
+        "emulator_check": emulator,
+        "middle_stage_compute_s_1_thread": compute_s,
+        "middle_stage_fp32_transfer_s_at_100mbit": transfer_s,
+        "sequence": measurements,
+        "results": report,
+        "target": TARGET,
+    }
     common.write_json(args.out, "wan", result)
     plot(report, rates, rtts, args.out)
     return result

@@ -177,20 +177,28 @@ def codec_fraction(cfg: ModelConfig, device: torch.device, batch_size: int, repe
         fns[name] = codec_work
     times = common.interleaved(fns, repeats, warmup=1)
     return {
-        "stage": index, "batch_size": batch_size, "device": str(device),
+        "stage": index,
+        "batch_size": batch_size,
+        "device": str(device),
         "compute_seconds": common.summary(times["compute"]),
         "codec": {
-            name: {"seconds": common.summary(times[name]),
-                   "fraction_of_compute": common.summary(common.per_round_ratio(times[name], times["compute"]))}
+            name: {
+                "seconds": common.summary(times[name]),
+                "fraction_of_compute": common.summary(common.per_round_ratio(times[name], times["compute"])),
+            }
             for name in CODECS
         },
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = common.parser(__doc__.split("\n\n")[0], device=True)
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model (default: local_debug on CPU, "
-                   "gpt_1b_4stages on GPU)")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="model (default: local_debug on CPU, " "gpt_1b_4stages on GPU)",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: 8 CPU, 4 GPU)")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's max_seq_len")
     args = p.parse_args(argv)
@@ -217,9 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(
             ["1.000x", "-", "tokens (ids, labels: always raw)", "all", f"{wire['none']['tokens']['wire'] / 1e6:.3f}"]
         )
-    common.table(f"bytes per microbatch (batch {batch_size}, {cfg.n_stages} stages, d_model {cfg.d_model}, seq "
-                 f"{cfg.max_seq_len}); headers included", ["fp32/this", "fp16/this", "traffic class", "codec", "MB"],
-                 rows)  # fmt: skip
+    common.table(
+        f"bytes per microbatch (batch {batch_size}, {cfg.n_stages} stages, d_model {cfg.d_model}, seq "
+        f"{cfg.max_seq_len}); headers included",
+        ["fp32/this", "fp16/this", "traffic class", "codec", "MB"],
+        rows,
+    )
     b8 = {c: wire["none"][c]["wire"] / wire["blockwise8"][c]["wire"] for c in classes}
     ours = [v for c, v in b8.items() if "hivemind" not in c]
     verdict = "meets" if min(ours) >= TARGET_8BIT else "falls short of"
@@ -230,21 +241,49 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for name, v in speed["variants"].items():
-        rows.append([common.fmt(v["time_vs_copy"]), name, common.fmt(v["gb_per_s"]), common.fmt(v["seconds"], scale=1e3),
-                     common.fmt(v["encode"], scale=1e3) if "encode" in v else "-",
-                     common.fmt(v["decode"], scale=1e3) if "decode" in v else "-"])  # fmt: skip
-    common.table(f"codec encode+decode of {list(ACTIVATION_SHAPE)} fp32 on {device}: median [min-max] of {repeats} "
-                 "interleaved rounds", ["time/copy", "variant", "GB/s", "ms", "encode ms", "decode ms"], rows)  # fmt: skip
+        rows.append(
+            [
+                common.fmt(v["time_vs_copy"]),
+                name,
+                common.fmt(v["gb_per_s"]),
+                common.fmt(v["seconds"], scale=1e3),
+                common.fmt(v["encode"], scale=1e3) if "encode" in v else "-",
+                common.fmt(v["decode"], scale=1e3) if "decode" in v else "-",
+            ]
+        )
+    common.table(
+        f"codec encode+decode of {list(ACTIVATION_SHAPE)} fp32 on {device}: median [min-max] of {repeats} "
+        "interleaved rounds",
+        ["time/copy", "variant", "GB/s", "ms", "encode ms", "decode ms"],
+        rows,
+    )
 
-    rows = [[common.fmt(c["fraction_of_compute"], scale=100), name, common.fmt(c["seconds"], scale=1e3),
-             common.fmt(frac["compute_seconds"], scale=1e3)] for name, c in frac["codec"].items()]  # fmt: skip
-    common.table(f"codec work of a middle server per microbatch (3 decodes + 2 encodes) vs its compute, on {device}",
-                 ["% of compute", "codec", "codec ms", "fwd+bwd ms"], rows)  # fmt: skip
+    rows = [
+        [
+            common.fmt(c["fraction_of_compute"], scale=100),
+            name,
+            common.fmt(c["seconds"], scale=1e3),
+            common.fmt(frac["compute_seconds"], scale=1e3),
+        ]
+        for name, c in frac["codec"].items()
+    ]
+    common.table(
+        f"codec work of a middle server per microbatch (3 decodes + 2 encodes) vs its compute, on {device}",
+        ["% of compute", "codec", "codec ms", "fwd+bwd ms"],
+        rows,
+    )
 
     result = {
-        "benchmark": "wire", "hardware": common.hardware(), "model": dataclasses.asdict(cfg), "batch_size": batch_size,
-        "repeats": repeats, "bytes_per_microbatch": wire, "blockwise8_fp32_ratio": {**b8, "target": TARGET_8BIT}, "codec_speed": speed, "codec_fraction_of_compute": frac,
-    }  # fmt: skip
+        "benchmark": "wire",
+        "hardware": common.hardware(),
+        "model": dataclasses.asdict(cfg),
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "bytes_per_microbatch": wire,
+        "blockwise8_fp32_ratio": {**b8, "target": TARGET_8BIT},
+        "codec_speed": speed,
+        "codec_fraction_of_compute": frac,
+    }
     common.write_json(args.out, "wire", result)
     return result
 

@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         status[name] = {"returncode": rc, "seconds": round(time.monotonic() - start, 1)}
     print("\n##### summary")
     for name, s in status.items():
-        print(f"{name:10s} {'ok' if s['returncode'] == 0 else 'FAILED (' + str(s['returncode']) + ')':12s} "
-              f"{s['seconds']:7.1f}s")  # fmt: skip
+        print(
+            f"{name:10s} {'ok' if s['returncode'] == 0 else 'FAILED (' + str(s['returncode']) + ')':12s} "
+            f"{s['seconds']:7.1f}s"
+        )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "run_all.json").write_text(json.dumps({"quick": args.quick, "status": status}, indent=2))
     return 0 if all(s["returncode"] == 0 for s in status.values()) else 1

@@ -149,27 +149,35 @@ class TrainerHandle:
         span, samples = last["elapsed_s"] - first["elapsed_s"], last["samples"] - first["samples"]
         wire = last["wire_bytes"] - first["wire_bytes"]
         return {
-            "samples_per_second": samples / span, "samples": samples, "seconds": span,
+            "samples_per_second": samples / span,
+            "samples": samples,
+            "seconds": span,
             "wire_bytes_per_sample": wire / samples if samples else None,
             "lost_microbatches": last["lost_microbatches"] - first["lost_microbatches"],
             "retries": last["retries"] - first["retries"],
-        }  # fmt: skip
+        }
 
     def stop(self) -> None:
         self.swarm.stop([self.name], grace=20)
 
 
 def measure_trainer(
-    swarm: LocalSwarm, name: str, args: list[str], window: float, warmup_steps: int, timeout: float = 180.0,
+    swarm: LocalSwarm,
+    name: str,
+    args: list[str],
+    window: float,
+    warmup_steps: int,
+    timeout: float = 180.0,
     between=None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Start trainer `name`, skip `warmup_steps` microbatches, measure samples/s over `window` seconds of its own clock,
     stop it. `between(tag)`, if given, is called with "start" and "end" around the window (e.g. to read counters)."""
     trainer = TrainerHandle(swarm, name, args, timeout)
     try:
         trainer.snapshot(min_steps=warmup_steps)
-        return trainer.window(window, (lambda: between("start")) if between else None,
-                              (lambda: between("end")) if between else None)  # fmt: skip
+        return trainer.window(
+            window, (lambda: between("start")) if between else None, (lambda: between("end")) if between else None
+        )
     finally:
         trainer.stop()
 

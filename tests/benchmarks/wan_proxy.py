@@ -61,8 +61,9 @@ class TokenBucket:
         return now if self.tokens >= 0 else now + (-self.tokens) / rate
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: TokenBucket, shaping: Shaping,
-                counters: dict) -> None:  # fmt: skip
+async def _pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, bucket: TokenBucket, shaping: Shaping, counters: dict
+) -> None:
     queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
     room = asyncio.Condition()
     queued = 0
@@ -230,8 +231,12 @@ async def measure(rtt_ms: float, rate_mbit: float, n_bytes: int = 16 << 20, ping
         w.close()
         assert got == n_bytes + 1, got
         times.sort()
-        return {"rtt_ms_set": rtt_ms, "rate_mbit_set": rate_mbit, "rtt_ms_measured": times[len(times) // 2] * 1e3,
-                "rate_mbit_measured": n_bytes * 8 / seconds / 1e6}  # fmt: skip
+        return {
+            "rtt_ms_set": rtt_ms,
+            "rate_mbit_set": rate_mbit,
+            "rtt_ms_measured": times[len(times) // 2] * 1e3,
+            "rate_mbit_measured": n_bytes * 8 / seconds / 1e6,
+        }
     finally:
         await proxy.stop()
         echo.close()

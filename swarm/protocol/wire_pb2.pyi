@@ -1,0 +1,124 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_FLOAT16: _ClassVar[Codec]
+    CODEC_BLOCKWISE8: _ClassVar[Codec]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+CODEC_NONE: Codec
+CODEC_FLOAT16: Codec
+CODEC_BLOCKWISE8: Codec
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT64: DType
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "codec", "dtype", "shape", "payload_bytes", "blocksize")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKSIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    codec: Codec
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload_bytes: int
+    blocksize: int
+    def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., blocksize: _Optional[int] = ...) -> None: ...
+
+class CallMeta(_message.Message):
+    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    microbatch_id: str
+    stage: int
+    reply_codec: Codec
+    param_version: int
+    loss: float
+    has_loss: bool
+    queue_length: int
+    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("meta", "tensor", "data")
+    META_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta: CallMeta
+    tensor: TensorHeader
+    data: bytes
+    def __init__(self, meta: _Optional[_Union[CallMeta, _Mapping]] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    N_STAGES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    stage: int
+    n_stages: int
+    param_version: int
+    queue_length: int
+    throughput: float
+    model_config_json: str
+    samples_processed: int
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ...) -> None: ...
+
+class StageProgress(_message.Message):
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    END_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    stage: int
+    peer_id: str
+    epoch: int
+    samples: int
+    end_epoch: bool
+    address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ProgressAck(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
