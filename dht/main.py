@@ -11,13 +11,18 @@ from pathlib import Path
 from dht.node import start_dht
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm-dht", description=__doc__)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
     parser.add_argument("--port", type=int, default=31337, help="TCP port (0: any free port)")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
     parser.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
     parser.add_argument("--maddr-file", default=None, help="also write the multiaddrs here, one per line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

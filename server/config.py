@@ -23,13 +23,13 @@ class ServerConfig:
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this server's DHT node"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     samples_per_step: int = field(
-        default=64,
+        default=32,
         metadata={
             "help": "global batch: samples the whole stage accumulates " "before its peers average gradients and step"
         },
     )
     optimizer: str = field(default="adamw", metadata={"help": "stage optimizer", "choices": ["adamw", "lamb"]})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay"})
     warmup_steps: int = field(default=0, metadata={"help": "linear learning-rate warm-up, in optimizer steps"})
     total_steps: int = field(default=0, metadata={"help": "cosine decay to 10%% over this many steps (0: constant)"})

@@ -32,12 +32,16 @@ def export_model(cfg: ModelConfig, checkpoint_dirs: list[str], out: str | Path) 
     return model
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-dir", nargs="+", required=True, help="folders of the stages' --checkpoint-dir")
     parser.add_argument("--out", required=True, help="safetensors file to write")
     add_model_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     model = export_model(model_from_args(args), args.checkpoint_dir, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(

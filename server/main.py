@@ -28,10 +28,15 @@ async def _main(server: StageServer) -> None:
     await server.run(stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-server", description="Serve one SWARM pipeline stage.")
     add_config_args(parser, ServerConfig)
     add_model_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg, model_cfg = config_from_args(ServerConfig, args), model_from_args(args)

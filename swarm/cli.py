@@ -35,13 +35,7 @@ def add_config_args(
         if dataclasses.is_dataclass(typ):
             add_config_args(parser, typ, suppress_defaults, prefix + _nested_prefix(f))
             continue
-        default = (
-            argparse.SUPPRESS
-            if suppress_defaults
-            else (
-                f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            )
-        )
+        default = argparse.SUPPRESS if suppress_defaults else _default(f)
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
         if typ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -69,6 +63,39 @@ def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -
         elif prefix + f.name in values:
             kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def to_argv(cfg: Any, base: Any = None, changed_only: bool = True, prefix: str = "") -> list[str]:
+    """The inverse of `config_from_args`: flags that parse back to `cfg`. Only those whose values differ from `base` (a
+    config of the same class; default: the class defaults), unless `changed_only` is False. Used to start processes
+    from config objects, so that no argv is written by hand."""
+    hints, out = typing.get_type_hints(type(cfg)), []
+    for f in dataclasses.fields(cfg):
+        if not f.init or f.metadata.get("cli") is False:
+            continue
+        value, typ = getattr(cfg, f.name), hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            sub_base = None if base is None else getattr(base, f.name)
+            out += to_argv(value, sub_base, changed_only, prefix + _nested_prefix(f))
+            continue
+        if changed_only and value == (_default(f) if base is None else getattr(base, f.name)):
+            continue
+        flag = _flag(prefix + f.name)
+        if typ is bool:
+            out.append(flag if value else "--no-" + flag[2:])
+        elif typing.get_origin(typ) in (list, tuple):
+            out += [flag, *map(str, value)]
+        elif value is None and _default(f) is None:
+            continue  # left at its default: there is no flag for None
+        elif value is None:
+            raise ValueError(f"{flag}: None has no command-line form (leave it at its default)")
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True)
@@ -14,16 +14,18 @@ class ModelConfig:
     times (ALBERT-style), otherwise an ordinary stack.
     """
 
-    vocab_size: int = 256  # byte-level: nothing to download
-    d_model: int = 128
-    n_heads: int = 4
-    d_ff: int = 384
-    max_seq_len: int = 128
-    n_stages: int = 3
-    layers_per_stage: int = 2
-    share_layers: bool = True
-    checkpointing: bool = True
-    seed: int = 0  # every peer of a stage initialises identically from (seed, stage)
+    vocab_size: int = field(
+        default=256, metadata={"help": "tokens in the vocabulary (256: bytes, nothing to download)"}
+    )
+    d_model: int = field(default=128, metadata={"help": "width of the hidden states"})
+    n_heads: int = field(default=4, metadata={"help": "attention heads"})
+    d_ff: int = field(default=384, metadata={"help": "hidden width of the GeGLU MLP"})
+    max_seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    n_stages: int = field(default=3, metadata={"help": "pipeline stages the model is cut into"})
+    layers_per_stage: int = field(default=2, metadata={"help": "transformer blocks applied per stage"})
+    share_layers: bool = field(default=True, metadata={"help": "one block per stage applied --layers-per-stage times"})
+    checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward (saves memory)"})
+    seed: int = field(default=0, metadata={"help": "every peer of a stage initialises identically from (seed, stage)"})
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len", "n_stages", "layers_per_stage"):

@@ -13,7 +13,7 @@ class TrainerConfig:
     initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
     data: str | None = field(default=None, metadata={"help": "text file or folder (default: Python's stdlib source)"})
     batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
-    in_flight: int = field(default=4, metadata={"help": "microbatches in the pipeline at once"})
+    in_flight: int = field(default=3, metadata={"help": "microbatches in the pipeline at once"})
     codec: str = field(
         default="blockwise8", metadata={"help": "wire codec, all four directions", "choices": sorted(CODECS)}
     )

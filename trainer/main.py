@@ -31,10 +31,15 @@ async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> d
     return await Trainer(cfg, model_cfg, sdht, data).run(stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-trainer", description=__doc__)
     add_config_args(parser, TrainerConfig)
     add_model_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg, model_cfg = config_from_args(TrainerConfig, args), model_from_args(args)

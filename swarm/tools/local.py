@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -19,12 +20,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.cli import add_config_args, config_from_args
+from server.config import ServerConfig
+from swarm.cli import add_config_args, config_from_args, to_argv
 from swarm.compression import CODECS
 from swarm.config import PRESETS
+from swarm.rebalance import RebalanceConfig
+from trainer.config import TrainerConfig
 
 PR_SET_PDEATHSIG = 1
 
@@ -36,6 +41,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass(kw_only=True)
 class LocalConfig:
+    """What to start. The training knobs here default to `swarm-server`'s and `swarm-trainer`'s own defaults (read from
+    their config classes, so there is one set); `server_config` and `trainer_config` turn this into their configs."""
+
     stages: int = field(default=3, metadata={"help": "pipeline stages"})
     servers_per_stage: str = field(
         default="2", metadata={"help": "servers per stage: one count for all, or one per stage (4,1,1)"}
@@ -45,24 +53,31 @@ class LocalConfig:
     duration: float = field(default=180.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
     summary_json: str | None = field(default=None, metadata={"help": "write the run's summary here"})
     preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
-    codec: str = field(default="blockwise8", metadata={"help": "wire codec", "choices": sorted(CODECS)})
-    batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
-    in_flight: int = field(default=3, metadata={"help": "microbatches in flight per trainer"})
-    samples_per_step: int = field(default=32, metadata={"help": "samples a server accumulates per optimizer step"})
-    lr: float = field(default=2e-3, metadata={"help": "servers' learning rate"})
+    codec: str = field(default=TrainerConfig.codec, metadata={"help": "wire codec", "choices": sorted(CODECS)})
+    batch_size: int = field(default=TrainerConfig.batch_size, metadata={"help": "samples per microbatch"})
+    in_flight: int = field(default=TrainerConfig.in_flight, metadata={"help": "microbatches in flight per trainer"})
+    samples_per_step: int = field(
+        default=ServerConfig.samples_per_step, metadata={"help": "global batch of each stage, in samples"}
+    )
+    lr: float = field(default=ServerConfig.lr, metadata={"help": "servers' learning rate"})
+    allreduce_codec: str = field(
+        default=ServerConfig.allreduce_codec,
+        metadata={"help": "codec of the stages' gradient all-reduce", "choices": sorted(CODECS)},
+    )
     delay_optimizer_step: bool = field(
-        default=True, metadata={"help": "servers average and step in the background " "(delayed parameter updates)"}
+        default=True,
+        metadata={"help": "servers average and step in the background (delayed parameter updates)"},
     )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
     rebalance_period_s: float = field(
-        default=60.0,
+        default=RebalanceConfig.period_s,
         metadata={
             "help": "servers' rebalancing period; a peer stays 2 periods on a stage it joined (try 15 with 4,1,1)"
         },
     )
     slowdown: float = field(
-        default=1.0, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
+        default=ServerConfig.slowdown, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
     )
 
     def __post_init__(self) -> None:
@@ -87,6 +102,35 @@ class LocalConfig:
                 f"(one per stage), got {self.servers_per_stage!r}"
             )
         return counts
+
+    def server_config(self, stage: int) -> ServerConfig:
+        return dataclasses.replace(
+            local_server(stage),
+            samples_per_step=self.samples_per_step,
+            lr=self.lr,
+            allreduce_codec=self.allreduce_codec,
+            delay_optimizer_step=self.delay_optimizer_step,
+            slowdown=self.slowdown,
+            rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
+        )
+
+    def trainer_config(self, index: int) -> TrainerConfig:
+        return TrainerConfig(
+            **LOCAL_TRAINER, batch_size=self.batch_size, in_flight=self.in_flight, codec=self.codec, data_seed=index
+        )
+
+
+# What differs on one machine's loopback from a swarm across the internet: peers announce and poll often (records,
+# progress and all-reduce groups form in fractions of a second here), and each process gets one torch thread because
+# a dozen of them share the cores.
+LOCAL_SERVER = dict(
+    host="127.0.0.1", announce_period=2.0, record_ttl=8.0, torch_threads=1, matchmaking_time=0.5, progress_period=0.2
+)
+LOCAL_TRAINER = dict(log_period=10.0)
+
+
+def local_server(stage: int | str) -> ServerConfig:
+    return ServerConfig(**LOCAL_SERVER, stage=str(stage))
 
 
 @dataclass
@@ -148,32 +192,15 @@ class LocalSwarm:
     def _common(self) -> list[str]:
         return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
 
-    def start_server(self, name: str, stage: int | str, extra: list[str] = ()) -> Child:
-        args = [
-            "--stage",
-            str(stage),
-            "--host",
-            "127.0.0.1",
-            "--announce-period",
-            "2",
-            "--record-ttl",
-            "8",
-            "--torch-threads",
-            "1",
-            "--matchmaking-time",
-            "0.5",
-            "--progress-period",
-            "0.2",
-            *self._common(),
-            *extra,
-        ]
-        return self.spawn(name, "server.main", args)
+    def start_server(self, name: str, stage: int | str, extra: Sequence[str] = ()) -> Child:
+        """`extra` flags override the local defaults (`LOCAL_SERVER`): the last occurrence of a flag wins."""
+        return self.spawn(name, "server.main", [*to_argv(local_server(stage)), *self._common(), *extra])
 
-    def start_trainer(self, name: str, extra: list[str] = ()) -> Child:
-        stats = self.log_dir / f"{name}.json"
-        return self.spawn(
-            name, "trainer.main", ["--stats-file", str(stats), "--log-period", "10", *self._common(), *extra]
-        )
+    def start_trainer(self, name: str, extra: Sequence[str] = ()) -> Child:
+        return self.spawn(name, "trainer.main", [*to_argv(self.local_trainer(name)), *self._common(), *extra])
+
+    def local_trainer(self, name: str) -> TrainerConfig:
+        return TrainerConfig(**LOCAL_TRAINER, stats_file=str(self.log_dir / f"{name}.json"))
 
     def trainer_stats(self) -> list[dict]:
         out = []
@@ -212,6 +239,19 @@ class LocalSwarm:
         with contextlib.suppress(OSError):
             return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-n:])
         return ""
+
+
+def start_peers(swarm: LocalSwarm, cfg: LocalConfig) -> None:
+    """The servers and trainers of `cfg` (the DHT node must be running)."""
+    for stage, count in enumerate(cfg.allocation):
+        for r in range(count):
+            server = cfg.server_config(stage)
+            swarm.start_server(f"server-s{stage}-r{r}", stage, to_argv(server, base=local_server(stage)))
+    for t in range(cfg.trainers):
+        name = f"trainer-{t}"
+        base = swarm.local_trainer(name)
+        trainer = dataclasses.replace(cfg.trainer_config(t), stats_file=base.stats_file)
+        swarm.start_trainer(name, to_argv(trainer, base=base))
 
 
 def aggregate(stats: list[dict], elapsed: float) -> dict:
@@ -257,25 +297,7 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     )
     with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
         swarm.start_dht()
-        server_args = [
-            "--samples-per-step",
-            str(cfg.samples_per_step),
-            "--lr",
-            str(cfg.lr),
-            "--rebalance-period-s",
-            str(cfg.rebalance_period_s),
-            "--rebalance-cooldown-s",
-            str(2 * cfg.rebalance_period_s),
-            "--slowdown",
-            str(cfg.slowdown),
-        ]
-        server_args += ["--delay-optimizer-step"] if cfg.delay_optimizer_step else []
-        for stage, count in enumerate(cfg.allocation):
-            for r in range(count):
-                swarm.start_server(f"server-s{stage}-r{r}", stage, server_args)
-        trainer_args = ["--batch-size", str(cfg.batch_size), "--in-flight", str(cfg.in_flight), "--codec", cfg.codec]
-        for t in range(cfg.trainers):
-            swarm.start_trainer(f"trainer-{t}", [*trainer_args, "--data-seed", str(t)])
+        start_peers(swarm, cfg)
         started, last_print, agg = time.monotonic(), 0.0, aggregate([], 0.0)
         reported_dead: set[str] = set()
         while not stop.wait(1.0):

@@ -352,7 +352,7 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-simulate", description=__doc__.split("\n")[0])
     add_config_args(parser, SimConfig)
     for f in REBALANCE_FLAGS:  # the simulator sweeps the algorithm and the period itself
@@ -365,6 +365,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="4 h, 3 seeds, 4 and 8 stages: a smoke run")
     parser.add_argument("--out-json")
     parser.add_argument("--out-png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.hours, args.seeds, args.scaling_stages = min(args.hours, 4.0), min(args.seeds, 3), [4, 8]

@@ -1,0 +1,71 @@
+"""Command lines are generated from the config dataclasses, and `to_argv` is their exact inverse: a process started
+from a config object parses back to that object, so swarm-local and the deploy files cannot drift from the parsers."""
+
+import dataclasses
+
+import pytest
+
+from server.config import ServerConfig
+from server.main import build_parser as server_parser
+from swarm.cli import config_from_args, to_argv
+from swarm.rebalance import RebalanceConfig
+from swarm.tools.local import LocalConfig, LocalSwarm, local_server, main
+from trainer.config import TrainerConfig
+from trainer.main import build_parser as trainer_parser
+
+
+def parse(parser, cls, argv):
+    return config_from_args(cls, parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("changed_only", [True, False])
+def test_to_argv_round_trips_every_kind_of_field(changed_only):
+    server = ServerConfig(
+        stage="2", initial_peers=["/ip4/1.2.3.4/tcp/5/p2p/X", "/ip4/5.6.7.8/tcp/9/p2p/Y"], lr=3.5e-4,
+        delay_optimizer_step=True, rebalance=False, announce_host="example.org", checkpoint_dir="/tmp/ck",
+        rebalancing=RebalanceConfig(period_s=7.5, algorithm="paper"), allreduce_codec="fp16",
+    )  # fmt: skip
+    assert parse(server_parser(), ServerConfig, to_argv(server, changed_only=changed_only)) == server
+    trainer = TrainerConfig(in_flight=7, codec="none", data="corpus.txt", max_steps=11, duration=2.5)
+    assert parse(trainer_parser(), TrainerConfig, to_argv(trainer, changed_only=changed_only)) == trainer
+    assert to_argv(ServerConfig()) == [] and to_argv(TrainerConfig()) == []
+
+
+def test_to_argv_relative_to_a_base_config():
+    base = local_server(1)
+    cfg = dataclasses.replace(base, lr=1e-4)
+    assert to_argv(cfg, base=base) == ["--lr", "0.0001"]
+
+
+def test_swarm_local_starts_exactly_the_configs_it_describes(tmp_path, monkeypatch):
+    """The argv swarm-local hands each server and trainer parses back to `LocalConfig.server_config` / `trainer_config`."""
+    cfg = LocalConfig(lr=1e-4, samples_per_step=48, in_flight=2, codec="fp16", allreduce_codec="none", trainers=1)
+    swarm = LocalSwarm(tmp_path, "cli", ["--preset", "tiny_test"])
+    started = {}
+    monkeypatch.setattr(swarm, "spawn", lambda name, module, args: started.setdefault(name, (module, args)))
+    swarm.initial_peers = ["/ip4/127.0.0.1/tcp/1/p2p/Z"]
+    from swarm.tools.local import start_peers
+
+    start_peers(swarm, cfg)
+    module, argv = started["server-s1-r0"]
+    assert module == "server.main"
+    expected = dataclasses.replace(cfg.server_config(1), swarm_name="cli", initial_peers=swarm.initial_peers)
+    assert parse(server_parser(), ServerConfig, argv) == expected
+    module, argv = started["trainer-0"]
+    expected = dataclasses.replace(
+        cfg.trainer_config(0),
+        swarm_name="cli",
+        initial_peers=swarm.initial_peers,
+        stats_file=str(tmp_path / "trainer-0.json"),
+    )
+    assert parse(trainer_parser(), TrainerConfig, argv) == expected
+
+
+def test_every_flag_has_help(capsys):
+    for parser in (server_parser(), trainer_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and not action.help.startswith("(default"), f"{action.option_strings} has no help"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--servers-per-stage" in capsys.readouterr().out
