@@ -104,7 +104,9 @@ class Trainer:
             self.samples += tokens.shape[0]
             self.losses.append(loss)
             if self._loss_log is not None:
-                self._loss_log.write(json.dumps({"step": self.steps, "loss": loss, "versions": self.versions}) + "\n")
+                record = {"step": self.steps, "t": round(time.monotonic() - self.started, 3), "batch": tokens.shape[0]}
+                record["loss"] = loss
+                self._loss_log.write(json.dumps({**record, "versions": self.versions}) + "\n")
                 self._loss_log.flush()
             self.recent.append(loss)
         stop.set()

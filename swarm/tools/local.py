@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,17 +241,23 @@ class LocalSwarm:
         return ""
 
 
-def start_peers(swarm: LocalSwarm, cfg: LocalConfig) -> None:
-    """The servers and trainers of `cfg` (the DHT node must be running)."""
+def start_peers(
+    swarm: LocalSwarm,
+    cfg: LocalConfig,
+    server_extra: Callable[[str], Sequence[str]] = lambda name: (),
+    trainer_extra: Callable[[str], Sequence[str]] = lambda name: (),
+) -> None:
+    """The servers and trainers of `cfg` (the DHT node must be running); `*_extra(name)`: more flags for one peer."""
     for stage, count in enumerate(cfg.allocation):
         for r in range(count):
+            name = f"server-s{stage}-r{r}"
             server = cfg.server_config(stage)
-            swarm.start_server(f"server-s{stage}-r{r}", stage, to_argv(server, base=local_server(stage)))
+            swarm.start_server(name, stage, [*to_argv(server, base=local_server(stage)), *server_extra(name)])
     for t in range(cfg.trainers):
         name = f"trainer-{t}"
         base = swarm.local_trainer(name)
         trainer = dataclasses.replace(cfg.trainer_config(t), stats_file=base.stats_file)
-        swarm.start_trainer(name, to_argv(trainer, base=base))
+        swarm.start_trainer(name, [*to_argv(trainer, base=base), *trainer_extra(name)])
 
 
 def aggregate(stats: list[dict], elapsed: float) -> dict:

@@ -1,0 +1,247 @@
+"""Training quality per sample: the swarm against one process training the same model on the same samples.
+
+For each configuration a local swarm (`swarm.tools.local`, the same code path as `swarm-local`) trains until its
+trainers have completed a fixed number of samples, then every server saves its stage (SIGTERM). One process then
+trains the same model from the same seed on exactly those samples (each trainer's data stream, as many microbatches as
+it completed, interleaved), with the same optimizer, learning rate, weight decay, per-stage clipping and global batch.
+Both are evaluated on the same held-out sequences (the last 10% of the corpus, never trained on).
+
+Reported per configuration: held-out loss of the swarm (the model of each replica column: stage i's peer r, for r = 0
+and 1) and of the one-process run, their ratio, the optimizer steps each stage took against samples / global batch,
+how far apart the peers of a stage ended (relative L2 of their parameters), and samples/s.
+
+    python -m tests.benchmarks.bench_quality [--quick] [--data builtin,licences] [--samples 3232] [--only a,b]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from swarm.config import ModelConfig, model_config
+from swarm.model import GPT
+from swarm.tools.local import LocalConfig, LocalSwarm, start_peers
+from tests.benchmarks import common
+from trainer.data import load_corpus, microbatches
+
+HOLDOUT = 0.1  # the corpus' last 10% is held out
+EVAL_SEQUENCES = 256
+CLIP, WEIGHT_DECAY = 1.0, 0.01  # swarm-server's defaults
+
+
+def configurations() -> dict[str, LocalConfig]:
+    """swarm-local's defaults, each switched off in turn, and the diagnostic baseline (one microbatch in flight)."""
+    d = LocalConfig()
+    return {
+        "defaults": d,
+        "exact (1 trainer, 1 in flight, sync, no compression)": dataclasses.replace(
+            d, trainers=1, in_flight=1, delay_optimizer_step=False, codec="none", allreduce_codec="none"
+        ),
+        "no delayed updates": dataclasses.replace(d, delay_optimizer_step=False),
+        "wire codec none": dataclasses.replace(d, codec="none"),
+        "all-reduce codec none": dataclasses.replace(d, allreduce_codec="none"),
+        "no compression": dataclasses.replace(d, codec="none", allreduce_codec="none"),
+        "1 in flight per trainer": dataclasses.replace(d, in_flight=1),
+        "1 trainer": dataclasses.replace(d, trainers=1),
+        "1 peer per stage": dataclasses.replace(d, servers_per_stage="1"),
+    }
+
+
+QUICK = ("defaults", "exact (1 trainer, 1 in flight, sync, no compression)", "no compression")
+
+
+def licence_texts(max_bytes: int = 5 << 20) -> bytes:
+    """A text corpus that is not code: the licence texts of the system's packages (Debian keeps them as files)."""
+    files = sorted(Path("/usr/share/common-licenses").glob("*")) + sorted(Path("/usr/share/doc").glob("*/copyright"))
+    chunks, total = [], 0
+    for path in files:
+        if path.is_file():
+            data = path.read_bytes()
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+    if total < 1 << 20:
+        raise SystemExit("--data licences: fewer than 1 MB of licence texts under /usr/share on this machine")
+    return b"\n".join(chunks)[:max_bytes]
+
+
+def prepare_corpus(name: str, out: Path) -> tuple[Path, torch.Tensor]:
+    """-> (file with the training part, held-out bytes). `name`: builtin (the stdlib, as the trainer reads it),
+    licences, or a path."""
+    if name == "builtin":
+        data = bytes(load_corpus(None).numpy())
+    elif name == "licences":
+        data = licence_texts()
+    else:
+        data = bytes(load_corpus(name).numpy())
+    cut = int(len(data) * (1 - HOLDOUT))
+    out.mkdir(parents=True, exist_ok=True)
+    train_path = out / f"{Path(name).name}-train.txt"
+    train_path.write_bytes(data[:cut])
+    return train_path, torch.frombuffer(bytearray(data[cut:]), dtype=torch.uint8)
+
+
+def held_out_batch(heldout: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, labels = next(microbatches(heldout, EVAL_SEQUENCES, seq_len, seed=12345))
+    return tokens, labels
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    tokens, labels = batch
+    losses = [model(t, y).item() for t, y in zip(tokens.split(32), labels.split(32), strict=True)]
+    return sum(losses) / len(losses)
+
+
+def one_process(cfg: ModelConfig, train: torch.Tensor, local: LocalConfig, completed: list[int], batch: tuple) -> dict:
+    """Train on the microbatches the trainers completed (trainer t: the first completed[t] of its stream, seed t),
+    round-robin, one AdamW step per global batch, clipping each stage's gradient like its server does."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=local.lr, weight_decay=WEIGHT_DECAY)
+    streams = [microbatches(train, local.batch_size, cfg.max_seq_len, seed=t) for t in range(len(completed))]
+    order = [t for i in range(max(completed, default=0)) for t in range(len(completed)) if i < completed[t]]
+    accumulated, steps = 0, 0
+    for t in order:
+        tokens, labels = next(streams[t])
+        (model(tokens, labels) * tokens.shape[0] / local.samples_per_step).backward()
+        accumulated += tokens.shape[0]
+        if accumulated >= local.samples_per_step:
+            for stage in model.stages:
+                torch.nn.utils.clip_grad_norm_(stage.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            accumulated, steps = 0, steps + 1
+    return {"heldout_loss": evaluate(model, batch), "steps": steps}
+
+
+def run_swarm(name: str, local: LocalConfig, train_path: Path, samples: int, out: Path, timeout: float) -> dict:
+    """Train until the trainers completed `samples` in all; every server then saves its stage. Returns the trainers'
+    completed microbatches, throughput and the per-server checkpoint folders."""
+    tag = "".join(c if c.isalnum() else "-" for c in name)[:40]
+    log_dir = out / "logs" / f"{tag}-{time.strftime('%H%M%S')}"
+    per_trainer = math.ceil(samples / local.batch_size / local.trainers)
+    ckpt = lambda server: ["--checkpoint-dir", str(log_dir / f"ckpt-{server}"), "--checkpoint-period", "1e9"]  # noqa: E731
+    feed = lambda trainer: ["--data", str(train_path), "--max-steps", str(per_trainer), "--loss-log",  # noqa: E731
+                            str(log_dir / f"{trainer}-losses.jsonl")]  # fmt: skip
+    started = time.monotonic()
+    with LocalSwarm(log_dir, local.swarm_name, ["--preset", local.preset, "--n-stages", str(local.stages)]) as swarm:
+        swarm.start_dht()
+        start_peers(swarm, local, server_extra=ckpt, trainer_extra=feed)
+        trainers = [c for n, c in swarm.children.items() if n.startswith("trainer")]
+        deadline = time.monotonic() + timeout
+        last = 0.0
+        while any(t.alive() for t in trainers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: trainers did not finish in {timeout:.0f}s; logs in {log_dir}")
+            if time.monotonic() - last > 15:
+                last = time.monotonic()
+                done = sum(s.get("samples", 0) for s in swarm.trainer_stats())
+                common.log(f"  {name}: {done}/{per_trainer * local.batch_size * local.trainers} samples")
+            time.sleep(0.5)
+        swarm.stop_all()  # SIGTERM: every server writes its stage
+    stats = [json.loads((log_dir / f"trainer-{t}.json").read_text()) for t in range(local.trainers)]
+    return {"stats": stats, "log_dir": log_dir, "wall_s": time.monotonic() - started}
+
+
+def swarm_models(cfg: ModelConfig, log_dir: Path, allocation: list[int]) -> tuple[list[GPT], list[float]]:
+    """The model of each replica column r (stage i from server-s{i}-r{min(r, peers-1)}), and per stage the largest
+    relative L2 distance between the parameters of its peers."""
+    weights = {(s, r): load_file(str(log_dir / f"ckpt-server-s{s}-r{r}" / f"stage{s}.safetensors"))
+               for s, n in enumerate(allocation) for r in range(n)}  # fmt: skip
+    models = []
+    for r in range(max(allocation)):
+        model = GPT(cfg)
+        state = {f"stages.{s}.{k}": v for s, n in enumerate(allocation) for k, v in weights[(s, min(r, n - 1))].items()}
+        model.load_state_dict(state, strict=True)
+        models.append(model)
+    gaps = []
+    for s, n in enumerate(allocation):
+        ref = torch.cat([v.flatten() for _, v in sorted(weights[(s, 0)].items())])
+        gaps.append(max((torch.cat([v.flatten() for _, v in sorted(weights[(s, r)].items())]) - ref).norm().item()
+                        / ref.norm().item() for r in range(n)))  # fmt: skip
+    return models, gaps
+
+
+def throughput(log_dir: Path, trainers: int) -> float:
+    """Samples/s of the trainers over their last 80% of microbatches (start-up excluded), summed over trainers."""
+    total = 0.0
+    for t in range(trainers):
+        records = [json.loads(line) for line in (log_dir / f"trainer-{t}-losses.jsonl").read_text().splitlines()]
+        first = records[len(records) // 5]
+        span = records[-1]["t"] - first["t"]
+        total += (records[-1]["step"] - first["step"]) * records[-1]["batch"] / span if span > 0 else float("nan")
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=None, help="comma-separated corpora: builtin, licences, or paths")
+    p.add_argument("--samples", type=int, default=None, help="samples per run (default 3232; --quick 1024)")
+    p.add_argument("--only", default=None, help="comma-separated configuration names (see configurations())")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per swarm run")
+    args = p.parse_args(argv)
+    common.exit_on_sigterm()
+    samples = args.samples or (1024 if args.quick else 3232)
+    corpora = (args.data or ("builtin" if args.quick else "builtin,licences")).split(",")
+    configs = configurations()
+    names = args.only.split("|") if args.only else (list(QUICK) if args.quick else list(configs))
+    unknown = set(names) - set(configs)
+    if unknown:
+        p.error(f"unknown configuration(s) {sorted(unknown)}; choose from {list(configs)}")
+    out = Path(args.out) / "quality"
+    results = []
+    for corpus in corpora:
+        train_path, heldout = prepare_corpus(corpus, out)
+        train = load_corpus(str(train_path))
+        reference_cache: dict[tuple, dict] = {}
+        for name in names:
+            local = configs[name]
+            cfg = model_config(local.preset, n_stages=local.stages)
+            batch = held_out_batch(heldout, cfg.max_seq_len)
+            common.log(f"{corpus} / {name}: swarm run")
+            run = run_swarm(name, local, train_path, samples, out, args.timeout)
+            completed = [s["steps"] for s in run["stats"]]  # trainer t reads the stream of seed t
+            key = (tuple(completed), local.lr, local.samples_per_step, local.batch_size)
+            if key not in reference_cache:
+                common.log(f"{corpus} / {name}: one-process run on the same {sum(completed)} microbatches")
+                reference_cache[key] = one_process(cfg, train, local, completed, batch)
+            ref = reference_cache[key]
+            models, gaps = swarm_models(cfg, run["log_dir"], local.allocation)
+            swarm_losses = [evaluate(m, batch) for m in models]
+            row = {
+                "corpus": corpus, "config": name, "samples": sum(s["samples"] for s in run["stats"]),
+                "swarm_heldout": swarm_losses, "one_process_heldout": ref["heldout_loss"],
+                "ratio": sum(swarm_losses) / len(swarm_losses) / ref["heldout_loss"],
+                "stage_steps": [max(s["param_versions"][i] for s in run["stats"]) for i in range(local.stages)],
+                "one_process_steps": ref["steps"], "peer_gap": gaps,
+                "samples_per_second": throughput(run["log_dir"], local.trainers),
+                "lost": sum(s["lost_microbatches"] for s in run["stats"]), "log_dir": str(run["log_dir"]),
+            }  # fmt: skip
+            results.append(row)
+            common.log(f"{corpus} / {name}: swarm {swarm_losses} vs one process {ref['heldout_loss']:.4f}")
+    common.table(
+        f"held-out loss at equal samples ({samples}), swarm vs one process",
+        ["corpus", "configuration", "swarm (r0/r1)", "one process", "swarm/one", "stage steps", "peer gap", "samples/s"],
+        [
+            [r["corpus"], r["config"], "/".join(f"{x:.3f}" for x in r["swarm_heldout"]),
+             f"{r['one_process_heldout']:.3f}", f"{r['ratio']:.3f}",
+             "/".join(map(str, r["stage_steps"])) + f" ({r['one_process_steps']})",
+             "/".join(f"{g:.1e}" for g in r["peer_gap"]), f"{r['samples_per_second']:.1f}"]
+            for r in results
+        ],
+    )  # fmt: skip
+    common.write_json(args.out, "quality", {"hardware": common.hardware(), "samples": samples, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
