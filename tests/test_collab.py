@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from server.export import export_model
-from swarm.compression import get_codec
+from swarm.compression import CompressionPolicy
 from swarm.config import model_config
 from swarm.model import GPT
 from swarm.protocol.tensors import WireStats
@@ -167,7 +167,7 @@ def serving_address(log: str) -> str:
 
 async def swarm_loss(addresses: list[str], tokens, labels, cfg) -> float:
     """Evaluation through the live servers: Forward only (nothing accumulates), codec none, loss from the logits."""
-    client = StageClient(get_codec("none"), WireStats(), max_tensor_bytes=1 << 26)
+    client = StageClient(CompressionPolicy.for_wire("none"), WireStats(), max_tensor_bytes=1 << 26)
     h = tokens
     for s, address in enumerate(addresses):
         shape = (*tokens.shape, cfg.vocab_size if s == cfg.n_stages - 1 else cfg.d_model)

@@ -12,7 +12,7 @@ from swarm.compression import CODECS, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION
-from swarm.protocol.tensors import WireError, WireStats, decode_tensor, encode_tensor
+from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
 
 # Bounds are relative to the tensor's RMS, for Gaussian data. fp16 has an 11-bit mantissa (2^-11 relative per value);
 # dynamic 8-bit blockwise quantisation keeps ~1e-2 relative RMS error (Dettmers et al., 8-bit optimizers).
@@ -49,6 +49,26 @@ def test_blockwise8_is_four_times_smaller():
     x = torch.randn(4, 512, 1024)
     enc = encode_tensor("inputs", x, get_codec("blockwise8"))
     assert x.numel() * 4 / enc.wire_bytes >= 3.9
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_codec_parameters_are_checked_before_the_payload(name):
+    """Codec parameters travel opaque in the header; each codec refuses ones it did not write."""
+    enc = encode_tensor("inputs", torch.randn(64, 64), get_codec(name))
+    bad = [b"\x00" * 17, b"\xff" * 4, b"\x00\x01\x00\x00" if name == "blockwise8" else b"x"]  # 17 bytes; 2**32-1; 256
+    for params in bad:
+        header = pb.TensorHeader()
+        header.CopyFrom(enc.header)
+        header.codec_params = params
+        with pytest.raises(WireError):
+            decode_tensor(EncodedTensor(header, enc.payload), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_encoded_bytes_predicts_the_payload(name):
+    for numel in (1, 4095, 4096, 4097, 100_000):
+        x = torch.randn(numel)
+        assert len(get_codec(name).encode(x)[1]) == get_codec(name).encoded_bytes(numel, x.dtype)
 
 
 def test_integer_tensors_travel_exactly():

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.config import ServerConfig
 from server.worker import StageWorker
-from swarm.compression import get_codec
+from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import tiny_test
 from swarm.model import GPT, Stage
 from swarm.protocol import wire_pb2 as pb
@@ -37,7 +37,7 @@ def reference(cfg, tokens, labels):
 async def grads_through_grpc(cfg, codec: str):
     tokens, labels = random_batch(cfg, 4)
     stats = WireStats()
-    client = StageClient(get_codec(codec), stats, max_tensor_bytes=1 << 26)
+    client = StageClient(CompressionPolicy.for_wire(codec), stats, max_tensor_bytes=1 << 26)
     async with InProcessStages(cfg) as stages:
         loss = await run_microbatch(stages, client, tokens, labels)
         await client.close()
@@ -70,7 +70,7 @@ async def test_grpc_blockwise8_gradients_close_and_bytes_saved():
     )
     assert abs(loss - loss_ref) / loss_ref < 1e-2
     assert median_err < 5e-2  # 8-bit dynamic quantisation of activations and their gradients: ~1e-2 expected
-    float_classes = {k: v for k, v in wire["by_class"].items() if k != "tokens"}
+    float_classes = {k: v for k, v in wire["by_role"].items() if k != "tokens"}
     ratio = sum(v["fp32"] for v in float_classes.values()) / sum(v["wire"] for v in float_classes.values())
     assert ratio >= 3.5, wire
 
@@ -140,7 +140,7 @@ async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():
 
 async def test_server_steps_after_samples_per_step():
     cfg = tiny_test()
-    client = StageClient(get_codec("none"), WireStats(), max_tensor_bytes=1 << 26)
+    client = StageClient(CompressionPolicy.for_wire("none"), WireStats(), max_tensor_bytes=1 << 26)
     async with InProcessStages(cfg, samples_per_step=8) as stages:
         before = [p.detach().clone() for p in stages.workers[0].stage.parameters()]
         for seed in range(2):

@@ -9,26 +9,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.compression import Codec
+from swarm.compression import WIRE_TO_DTYPE, CompressionPolicy, TensorRole, role_of
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
-from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
-
-TRAFFIC_CLASS = {
-    "inputs": "activations",
-    "outputs": "activations",
-    "grad_outputs": "gradients",
-    "grad_inputs": "gradients",
-    "labels": "tokens",
-}
-
-
-def traffic_class(enc: EncodedTensor) -> str:
-    """Token ids (stage 0's inputs) and labels are "tokens", whatever their role in the call."""
-    if enc.header.dtype == pb.DTYPE_INT64:
-        return "tokens"
-    return TRAFFIC_CLASS[enc.header.name]
+from swarm.protocol.tensors import WireError, WireStats, decode_tensor, encode_tensor
 
 
 @dataclass
@@ -38,9 +23,14 @@ class StageReply:
     param_version: int
 
 
+REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATION_GRADIENTS}
+
+
 class StageClient:
-    def __init__(self, codec: Codec, stats: WireStats, max_tensor_bytes: int):
-        self.codec, self.stats = codec, stats
+    """Encodes each tensor with its role's codec (the policy's), and asks the server to encode its reply likewise."""
+
+    def __init__(self, policy: CompressionPolicy, stats: WireStats, max_tensor_bytes: int):
+        self.policy, self.stats = policy, stats
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, StageStub] = {}
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
@@ -64,13 +54,18 @@ class StageClient:
     ) -> StageReply:
         """`method` is "Forward" or "Backward". Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
+        roles = {name: role_of(name, t.dtype) for name, t in tensors.items()}
         encoded = await loop.run_in_executor(
-            self.pool, lambda: [encode_tensor(k, v, self.codec) for k, v in tensors.items()]
+            self.pool, lambda: [encode_tensor(k, v, self.policy.codec(roles[k])) for k, v in tensors.items()]
         )
         for enc in encoded:
-            self.stats.add(traffic_class(enc), enc)
+            self.stats.add(roles[enc.header.name], enc)
+        reply_codec = self.policy.codec(REPLY_ROLE[method]).wire
         meta = pb.CallMeta(
-            protocol_version=PROTOCOL_VERSION, microbatch_id=microbatch_id, stage=stage, reply_codec=self.codec.wire
+            protocol_version=PROTOCOL_VERSION,
+            microbatch_id=microbatch_id,
+            stage=stage,
+            reply_codec=reply_codec,  # type: ignore[arg-type]  # protobuf enums are ints at run time
         )
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
@@ -78,7 +73,7 @@ class StageClient:
         tensor = None
         if reply.tensors:
             (enc,) = reply.tensors.values()
-            self.stats.add(traffic_class(enc), enc)
+            self.stats.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
             tensor = await loop.run_in_executor(self.pool, decode_tensor, enc, torch.device("cpu"))
             if expect_shape is not None and tuple(tensor.shape) != expect_shape:
                 raise WireError(f"stage {stage} replied with shape {list(tensor.shape)}, expected {list(expect_shape)}")

@@ -22,7 +22,7 @@ import torch
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from swarm.compression import get_codec
+from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.protocol.tensors import WireError, WireStats
 from trainer.client import StageClient
@@ -54,7 +54,7 @@ class Trainer:
         self.versions = [0] * self.n_stages
         self.stats = WireStats()
         max_tensor_bytes = cfg.batch_size * model_cfg.max_seq_len * max(model_cfg.d_model, model_cfg.vocab_size) * 4
-        self.client = StageClient(get_codec(cfg.codec), self.stats, max_tensor_bytes)
+        self.client = StageClient(CompressionPolicy.for_wire(cfg.codec), self.stats, max_tensor_bytes)
         self.peers_changed = asyncio.Event()
         self.steps = self.samples = self.lost = self.retries = 0
         self.losses: list[float] = []

@@ -1,4 +1,4 @@
-"""The codec interface: a codec turns a tensor into (header fields, payload bytes) and back; nothing else.
+"""The codec interface: a codec turns a tensor into (codec parameters, payload bytes) and back; nothing else.
 
 Every codec has a round-trip error-bound test. Integer tensors (token ids, labels) always travel raw.
 """
@@ -6,6 +6,8 @@ Every codec has a round-trip error-bound test. Integer tensors (token ids, label
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -38,19 +40,48 @@ def bytes_to_tensor(
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+class TensorRole(StrEnum):
+    """What a tensor is to the swarm. Each role has its codec in a `CompressionPolicy` and its own byte counters."""
+
+    ACTIVATIONS = "activations"  # Forward inputs and outputs (hidden states)
+    ACTIVATION_GRADIENTS = "activation_gradients"  # Backward grad_outputs and grad_inputs
+    TOKENS = "tokens"  # token ids and labels: always exact
+    ALLREDUCE_GRADIENTS = "allreduce_gradients"  # a stage's gradient all-reduce
+    PARAMETERS = "parameters"  # a stage's parameter averaging
+    STATE = "state"  # parameters and optimizer state sent to a joining peer
+
+
+@dataclass(frozen=True)
+class CodecContext:
+    """Who encodes what. A stateful codec (error feedback, warm-started low-rank factors) keeps its state per context:
+    the same role and key on the next call continue the same stream; `key` names it (e.g. a peer and a shape)."""
+
+    role: TensorRole
+    key: str = ""
+
+
 class Codec(ABC):
+    """Turns a tensor into (codec parameters, payload) and back. The parameters travel in the header, opaque to
+    everything but the codec, and are validated by it before the payload is read."""
+
     wire: int  # wire_pb2.Codec value
     name: str
 
     @abstractmethod
-    def encode(self, t: torch.Tensor) -> tuple[dict, bytes]:
-        """-> (extra TensorHeader fields, payload). `t` may live on any device; the payload is host bytes."""
+    def encode(self, t: torch.Tensor, ctx: CodecContext | None = None) -> tuple[bytes, bytes]:
+        """-> (codec parameters, payload). `t` may live on any device; the payload is host bytes."""
 
     @abstractmethod
-    def decode(self, header: pb.TensorHeader, payload: bytearray, device: torch.device) -> torch.Tensor:
-        """Inverse of encode; raises CodecError if the payload size disagrees with the header."""
+    def decode(
+        self, header: pb.TensorHeader, payload: bytes | bytearray, device: torch.device, ctx: CodecContext | None = None
+    ) -> torch.Tensor:
+        """Inverse of encode; raises CodecError if the parameters or the payload size disagree with the header."""
+
+    @abstractmethod
+    def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Payload bytes of a tensor of `numel` values of `dtype`: for byte accounting without encoding."""
 
     @staticmethod
-    def _check_size(header: pb.TensorHeader, payload: bytearray, expected: int) -> None:
+    def _check_size(header: pb.TensorHeader, payload: bytes | bytearray, expected: int) -> None:
         if len(payload) != expected:
             raise CodecError(f"tensor {header.name!r}: payload is {len(payload)} bytes, its header implies {expected}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import torch
 
@@ -26,33 +27,41 @@ class Blockwise8Codec(Codec):
     """
 
     wire, name = pb.CODEC_BLOCKWISE8, "blockwise8"
+    BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+    PARAMS = struct.Struct("<I")  # codec parameters: the block size
 
     def __init__(self, blocksize: int = 4096):
-        if blocksize not in (64, 128, 256, 512, 1024, 2048, 4096):
+        if blocksize not in self.BLOCKSIZES:
             raise ValueError(f"blocksize must be a power of two in [64, 4096], got {blocksize}")
         self.blocksize = blocksize
 
-    def encode(self, t):
+    def encode(self, t, ctx=None):
         import bitsandbytes.functional as bnbf
 
         x = t.detach().contiguous().reshape(-1)
         if x.device.type == "cpu" and x.dtype != torch.float32:
             x = x.float()  # bitsandbytes' CPU path is float32-only
         codes, state = bnbf.quantize_blockwise(x, code=_dynamic_map(x.device), blocksize=self.blocksize)
-        return {"blocksize": self.blocksize}, tensor_to_bytes(codes) + tensor_to_bytes(state.absmax.float())
+        return self.PARAMS.pack(self.blocksize), tensor_to_bytes(codes) + tensor_to_bytes(state.absmax.float())
 
-    def decode(self, header, payload, device):
+    def decode(self, header, payload, device, ctx=None):
         import bitsandbytes.functional as bnbf
 
         shape, n = tuple(header.shape), math.prod(header.shape)
-        if header.blocksize not in (64, 128, 256, 512, 1024, 2048, 4096):
-            raise CodecError(f"tensor {header.name!r}: unsupported blocksize {header.blocksize}")
-        n_blocks = -(-n // header.blocksize)
+        if len(header.codec_params) != self.PARAMS.size:
+            raise CodecError(f"tensor {header.name!r}: {self.name} takes {self.PARAMS.size} bytes of parameters")
+        (blocksize,) = self.PARAMS.unpack(header.codec_params)
+        if blocksize not in self.BLOCKSIZES:
+            raise CodecError(f"tensor {header.name!r}: unsupported blocksize {blocksize}")
+        n_blocks = -(-n // blocksize)
         self._check_size(header, payload, n + 4 * n_blocks)
         view = memoryview(payload)
         codes = bytes_to_tensor(view[:n], torch.uint8, (n,)).to(device)
         absmax = bytes_to_tensor(view[n:], torch.float32, (n_blocks,)).to(device)
         if not torch.isfinite(absmax).all():
             raise CodecError(f"tensor {header.name!r}: non-finite block scale")
-        x = bnbf.dequantize_blockwise(codes, absmax=absmax, code=_dynamic_map(codes.device), blocksize=header.blocksize)
+        x = bnbf.dequantize_blockwise(codes, absmax=absmax, code=_dynamic_map(codes.device), blocksize=blocksize)
         return x.reshape(shape).to(WIRE_TO_DTYPE[header.dtype])
+
+    def encoded_bytes(self, numel, dtype):
+        return numel + 4 * -(-numel // self.blocksize)

@@ -6,29 +6,42 @@ import math
 
 import torch
 
-from swarm.compression.base import WIRE_TO_DTYPE, Codec, bytes_to_tensor, tensor_to_bytes
+from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecError, bytes_to_tensor, tensor_to_bytes
 from swarm.protocol import wire_pb2 as pb
 
 
 class NoneCodec(Codec):
     wire, name = pb.CODEC_NONE, "none"
 
-    def encode(self, t):
-        return {}, tensor_to_bytes(t)
+    def encode(self, t, ctx=None):
+        return b"", tensor_to_bytes(t)
 
-    def decode(self, header, payload, device):
+    def decode(self, header, payload, device, ctx=None):
         dtype, shape = WIRE_TO_DTYPE[header.dtype], tuple(header.shape)
+        _no_params(self, header)
         self._check_size(header, payload, math.prod(shape) * dtype.itemsize)
         return bytes_to_tensor(payload, dtype, shape).to(device)
+
+    def encoded_bytes(self, numel, dtype):
+        return numel * dtype.itemsize
 
 
 class Float16Codec(Codec):
     wire, name = pb.CODEC_FLOAT16, "fp16"
 
-    def encode(self, t):
-        return {}, tensor_to_bytes(t.to(torch.float16))
+    def encode(self, t, ctx=None):
+        return b"", tensor_to_bytes(t.to(torch.float16))
 
-    def decode(self, header, payload, device):
+    def decode(self, header, payload, device, ctx=None):
         shape = tuple(header.shape)
+        _no_params(self, header)
         self._check_size(header, payload, math.prod(shape) * 2)
         return bytes_to_tensor(payload, torch.float16, shape).to(device).to(WIRE_TO_DTYPE[header.dtype])
+
+    def encoded_bytes(self, numel, dtype):
+        return numel * 2
+
+
+def _no_params(codec: Codec, header: pb.TensorHeader) -> None:
+    if header.codec_params:
+        raise CodecError(f"tensor {header.name!r}: codec {codec.name} takes no parameters")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecError, NoneCodec
+from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, CodecError, NoneCodec
 from swarm.protocol import wire_pb2 as pb
 
 
@@ -26,46 +26,47 @@ class EncodedTensor:
         return len(self.payload) + self.header.ByteSize()
 
 
-def encode_tensor(name: str, t: torch.Tensor, codec: Codec) -> EncodedTensor:
+def encode_tensor(name: str, t: torch.Tensor, codec: Codec, ctx: CodecContext | None = None) -> EncodedTensor:
     if t.dtype not in DTYPE_TO_WIRE:
         raise WireError(f"tensor {name!r}: dtype {t.dtype} cannot travel; use one of {list(DTYPE_TO_WIRE)}")
     if not t.is_floating_point() or t.numel() == 0:
         codec = NoneCodec()  # ids and labels travel exactly
-    extra, payload = codec.encode(t)
+    params, payload = codec.encode(t, ctx)
     header = pb.TensorHeader(
         name=name,
-        codec=codec.wire,
-        dtype=DTYPE_TO_WIRE[t.dtype],
+        codec=codec.wire,  # type: ignore[arg-type]  # protobuf enums are ints at run time
+        dtype=DTYPE_TO_WIRE[t.dtype],  # type: ignore[arg-type]
         shape=list(t.shape),
         payload_bytes=len(payload),
-        **extra,
+        codec_params=params,
     )
     return EncodedTensor(header, payload)
 
 
-def decode_tensor(enc: EncodedTensor, device: torch.device) -> torch.Tensor:
+def decode_tensor(enc: EncodedTensor, device: torch.device, ctx: CodecContext | None = None) -> torch.Tensor:
     try:
-        return CODECS_BY_WIRE[enc.header.codec].decode(enc.header, enc.payload, device)
+        return CODECS_BY_WIRE[enc.header.codec].decode(enc.header, enc.payload, device, ctx)
     except CodecError as e:
         raise WireError(str(e)) from e
 
 
 class WireStats:
-    """Bytes on the wire per traffic class, next to what the same tensors would cost uncompressed (fp32 for floats)."""
+    """Bytes on the wire per tensor role (swarm.compression.TensorRole), next to what the same tensors would cost
+    uncompressed (fp32 for floats)."""
 
     def __init__(self) -> None:
         self.wire_bytes: dict[str, int] = defaultdict(int)
         self.fp32_bytes: dict[str, int] = defaultdict(int)
 
-    def add(self, traffic_class: str, enc: EncodedTensor) -> None:
+    def add(self, role: str, enc: EncodedTensor) -> None:
         h = enc.header
         itemsize = 4 if WIRE_TO_DTYPE[h.dtype].is_floating_point else WIRE_TO_DTYPE[h.dtype].itemsize
-        self.wire_bytes[traffic_class] += enc.wire_bytes
-        self.fp32_bytes[traffic_class] += math.prod(h.shape) * itemsize + h.ByteSize()
+        self.wire_bytes[role] += enc.wire_bytes
+        self.fp32_bytes[role] += math.prod(h.shape) * itemsize + h.ByteSize()
 
     def as_dict(self) -> dict:
         return {
             "wire_bytes": sum(self.wire_bytes.values()),
             "fp32_bytes": sum(self.fp32_bytes.values()),
-            "by_class": {k: {"wire": self.wire_bytes[k], "fp32": self.fp32_bytes[k]} for k in sorted(self.wire_bytes)},
+            "by_role": {k: {"wire": self.wire_bytes[k], "fp32": self.fp32_bytes[k]} for k in sorted(self.wire_bytes)},
         }

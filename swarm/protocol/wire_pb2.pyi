@@ -30,20 +30,20 @@ DTYPE_BFLOAT16: DType
 DTYPE_INT64: DType
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "codec", "dtype", "shape", "payload_bytes", "blocksize")
+    __slots__ = ("name", "codec", "dtype", "shape", "payload_bytes", "codec_params")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
-    BLOCKSIZE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_PARAMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     codec: Codec
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     payload_bytes: int
-    blocksize: int
-    def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., blocksize: _Optional[int] = ...) -> None: ...
+    codec_params: bytes
+    def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., codec_params: _Optional[bytes] = ...) -> None: ...
 
 class CallMeta(_message.Message):
     __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length")

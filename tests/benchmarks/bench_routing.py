@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from swarm.compression import get_codec
+from swarm.compression import CompressionPolicy
 from swarm.config import model_config
 from swarm.protocol.tensors import WireStats
 from tests.benchmarks import common, swarmrun
@@ -56,7 +56,7 @@ async def capacities(
 ) -> dict[str, float]:
     """Samples/s each server sustains alone on last-stage Backward calls (after a warm-up of all of them), one server
     at a time, `concurrency` calls in flight so that its queue never runs dry."""
-    client = StageClient(get_codec(codec), WireStats(), max_tensor_bytes=1 << 30)
+    client = StageClient(CompressionPolicy.for_wire(codec), WireStats(), max_tensor_bytes=1 << 30)
     gen = torch.Generator().manual_seed(0)
     tensors = {
         "inputs": torch.randn(batch, seq, d_model, generator=gen),

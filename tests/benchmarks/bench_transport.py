@@ -24,7 +24,7 @@ import torch
 import uvloop
 
 from server.worker import StageWorker
-from swarm.compression import get_codec
+from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import ModelConfig
 from swarm.protocol.rpc import CHUNK_BYTES, aio_channel, aio_server, bind
 from swarm.protocol.tensors import WireStats
@@ -68,7 +68,8 @@ async def run(repeats: int) -> dict:
     x = torch.randn(SHAPE)
     fp32_bytes = x.numel() * 4
     clients = {
-        name: StageClient(get_codec(name), WireStats(), max_tensor_bytes=1 << 30) for name in ("none", "blockwise8")
+        name: StageClient(CompressionPolicy.for_wire(name), WireStats(), max_tensor_bytes=1 << 30)
+        for name in ("none", "blockwise8")
     }
     payload_bytes = {name: get_codec(name).encode(x)[1].__len__() for name in clients}
     echo_server, echo_address = await start_echo_server()

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from swarm.compression import CODECS, get_codec
+from swarm.compression import CODECS, CompressionPolicy, get_codec
 from swarm.config import PRESETS, ModelConfig, model_config
 from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
@@ -65,12 +65,12 @@ async def bytes_per_microbatch(cfg: ModelConfig, device: torch.device, batch_siz
     async with InProcessStages(cfg, device, max_batch=batch_size) as stages:
         for name, codec in CODECS.items():
             stats = WireStats()
-            client = StageClient(codec, stats, max_tensor_bytes=1 << 34)
+            client = StageClient(CompressionPolicy.for_wire(name), stats, max_tensor_bytes=1 << 34)
             try:
                 await run_microbatch(stages, client, tokens, labels)
             finally:
                 await client.close()
-            by_class = stats.as_dict()["by_class"]
+            by_class = stats.as_dict()["by_role"]
             allreduce, hm = {"wire": 0, "fp32": 0}, {"wire": 0, "fp32": 0}
             hm_codec = hivemind_codecs().get(name)
             for worker in stages.workers.values():  # gradients of this microbatch, accumulated on every stage
