@@ -23,16 +23,17 @@ def state_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage{stage}.state.pt"
 
 
-def save_checkpoint(worker: StageWorker, directory: str | Path, epoch: int) -> Path:
-    """Any thread: reads a consistent snapshot under the worker's state lock."""
+def save_checkpoint(worker: StageWorker, directory: str | Path) -> Path:
+    """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     meta, tensors = worker.state_tensors()
+    epoch = meta["epoch"]
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     weights = {name: t.contiguous() for name, t in zip(names, tensors, strict=False)}
     stage = worker.stage.index
     for path, write in (
         (weights_path(directory, stage), lambda f: save_file(weights, f, metadata={"epoch": str(epoch)})),
-        (state_path(directory, stage), lambda f: torch.save({"meta": {**meta, "epoch": epoch}, "tensors": tensors}, f)),
+        (state_path(directory, stage), lambda f: torch.save({"meta": meta, "tensors": tensors}, f)),
     ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         write(str(tmp))

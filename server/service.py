@@ -14,7 +14,7 @@ import time
 import grpc
 import torch
 
-from server.collab import LocalSteps, StageCollaboration
+from server.collab import Collaboration
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE
 from swarm.config import ModelConfig
@@ -24,7 +24,6 @@ from swarm.protocol.rpc import PROTOCOL_VERSION, stage_handler
 from swarm.protocol.tensors import WireError, decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
-Collaboration = LocalSteps | StageCollaboration
 
 
 class StageSchema:
@@ -121,9 +120,10 @@ class StageService:
             and len(msg.address) <= 300
             and (not msg.address or msg.address.rpartition(":")[2].isdigit())
         )
-        if not ok or not hasattr(self.collab, "on_progress"):
+        ack = self.collab.on_progress(msg) if ok else None
+        if ack is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
-        return self.collab.on_progress(msg)
+        return ack
 
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         w = self.worker

@@ -16,9 +16,9 @@ from hivemind.utils import get_dht_time
 from dht.node import SwarmDHT
 from dht.records import PeerEntry, ServerRecord
 from server.checkpoint import load_checkpoint, save_checkpoint
-from server.collab import LocalSteps, StageCollaboration
+from server.collab import Collaboration, LocalSteps, StageCollaboration
 from server.config import ServerConfig
-from server.service import Collaboration, StageSchema, StageService
+from server.service import StageSchema, StageService
 from server.worker import StageWorker
 from swarm.config import ModelConfig
 from swarm.model import Stage
@@ -162,9 +162,7 @@ class StageServer:
         self.take_snapshot()  # a move keeps announcing its pending record meanwhile (`run`)
         joined = await collab.join()
         if not joined and cfg.checkpoint_dir:
-            epoch = await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint_dir)
-            if epoch is not None:
-                collab.epoch = epoch
+            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint_dir)
         schema = StageSchema(self.model_cfg, stage, cfg.max_batch_size)
         if self.service is None:
             self.service = StageService(worker, schema, collab)
@@ -311,7 +309,7 @@ class StageServer:
                 )
                 if cfg.checkpoint_dir and time.monotonic() - last_checkpoint > cfg.checkpoint_period:
                     last_checkpoint = time.monotonic()
-                    await asyncio.to_thread(save_checkpoint, w, cfg.checkpoint_dir, self.collab.epoch)
+                    await asyncio.to_thread(save_checkpoint, w, cfg.checkpoint_dir)
         finally:
             if rebalancer is not None:
                 rebalancer.cancel()
@@ -330,6 +328,6 @@ class StageServer:
             logger.warning("could not withdraw the DHT record: %r", e)
         await self.grpc_server.stop(grace=cfg.drain_timeout)
         if cfg.checkpoint_dir and self.serving:  # not a stage we were still joining: its checkpoint would be wrong
-            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint_dir, self.collab.epoch)
+            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint_dir)
         await self.collab.stop()
         self.worker.shutdown()

@@ -4,6 +4,10 @@ Requests run one at a time in arrival order, so a backward and an optimizer step
 microbatch are added to `.grad` weighted by its sample count; `take_gradients` turns the sum into a mean and starts a
 new accumulation, `apply_gradients` clips, steps and bumps `param_version`. When to do either is decided elsewhere
 (server/collab/): alone, or after averaging with the stage's other peers.
+
+The worker also holds the stage's `epoch` (global batches this peer has finished accumulating). Its one writer is the
+compute thread, always under `state_lock` together with the parameters, so a state sent to a joining peer carries the
+epoch that belongs to its parameters.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class StageWorker:
         self.state_lock = threading.Lock()  # parameters and optimizer state change only under it
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage.index}-compute")
         self.queue_length = 0
-        self.param_version = 0
+        self.param_version = 0  # optimizer steps taken
+        self.epoch = 0  # global batches finished: param_version, plus one while a delayed step is pending
         self.samples_processed = 0
         self.samples_accumulated = 0
         self.microbatches_processed = 0
@@ -90,13 +95,17 @@ class StageWorker:
         return result
 
     @torch.no_grad()
-    def take_gradients(self) -> tuple[list[torch.Tensor], int]:
-        """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh."""
+    def take_gradients(self, end_epoch: bool = False) -> tuple[list[torch.Tensor], int]:
+        """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh.
+        `end_epoch`: the next backward counts towards the next epoch (delayed steps: the step comes later)."""
         n = self.samples_accumulated
         grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
         for p in self.params:
             p.grad = None
         self.samples_accumulated = 0
+        if end_epoch:
+            with self.state_lock:
+                self.epoch += 1
         return grads, n
 
     @torch.no_grad()
@@ -107,8 +116,9 @@ class StageWorker:
         self.samples_accumulated = n
 
     @torch.no_grad()
-    def apply_gradients(self, grads: list[torch.Tensor]) -> None:
-        """Compute thread only. One optimizer step on `grads` (one per parameter, any device)."""
+    def apply_gradients(self, grads: list[torch.Tensor], end_epoch: bool = False) -> None:
+        """Compute thread only. One optimizer step on `grads` (one per parameter, any device); `end_epoch`: this step
+        finishes the current epoch (synchronous steps; a delayed step's epoch ended when its gradients were taken)."""
         with self.state_lock:
             saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
             for p, g in zip(self.params, grads, strict=False):
@@ -120,6 +130,8 @@ class StageWorker:
             for p, g in zip(self.params, saved, strict=False):
                 p.grad = g
             self.param_version += 1
+            if end_epoch:
+                self.epoch += 1
 
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
@@ -138,6 +150,7 @@ class StageWorker:
                         scalars[f"{idx}/{key}"] = value
             meta = {
                 "param_version": self.param_version,
+                "epoch": self.epoch,
                 "n_params": len(self.params),
                 "slots": slots,
                 "scalars": scalars,
@@ -163,6 +176,7 @@ class StageWorker:
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
             self.schedule.load_state_dict(meta["schedule"])
             self.param_version = int(meta["param_version"])
+            self.epoch = int(meta.get("epoch", self.param_version))
 
     @contextlib.contextmanager
     def _timed(self, kind: str, n_samples: int) -> Iterator[None]:

@@ -10,7 +10,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
 from dht.node import start_dht
-from server.collab import ALLREDUCE_COMPRESSION
+from server.collab.averaging import hivemind_compression
+from swarm.compression import get_codec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +30,7 @@ def test_two_peers_average_for_real(codec):
             start=True,
             min_matchmaking_time=1.0,
             request_timeout=0.5,
-            compression=ALLREDUCE_COMPRESSION[codec],
+            compression=hivemind_compression(get_codec(codec)),
             target_group_size=2,
         )
         for t, dht in zip((a, b), dhts, strict=True)

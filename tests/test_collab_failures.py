@@ -34,7 +34,7 @@ async def wait_for_async(predicate, timeout: float, what: str) -> None:
 async def hide_from_state_sharing(server: StageServer) -> None:
     """Make the DHT record of who shares state say that `server` does not, for the rest of the test. That record can
     lag (in CI, a peer found nobody sharing for 30 s while its stage peer was live): copying must not depend on it."""
-    key = f"{server.collab.averager.prefix}.all_averagers"
+    key = f"{server.collab.averaging.state.prefix}.all_averagers"
     store = functools.partial(
         server.sdht.dht.store, key, None, get_dht_time() + 120, subkey=server.sdht.dht.peer_id.to_bytes()
     )
@@ -96,7 +96,7 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
         a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
         await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers and b.sdht.peer_id in a.collab.peers,
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
             30,
             "the two peers to find each other",
         )
@@ -113,7 +113,7 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
         await busy
         free = time.monotonic()
         await wait_for_async(
-            lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab._busy, 30, "both peers to finish epoch 0"
+            lambda: a.collab.epoch == b.collab.epoch == 1 and not a.collab.busy, 30, "both peers to finish epoch 0"
         )
         synced = time.monotonic()
         print(

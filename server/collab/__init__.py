@@ -1,5 +1,8 @@
-"""Training semantics of a stage: when to step, with whom to average, how a joiner or a peer that fell behind catches up."""
+"""Training semantics of a stage: the protocol a server drives (base), progress between peers (progress), the epoch
+protocol (epoch), averaging on hivemind (averaging), state transfers (recovery), and the private hivemind APIs they
+need (hivemind_compat)."""
 
-from server.collab.stage import ALLREDUCE_COMPRESSION, BYTES_PER_VALUE, LocalSteps, StageAverager, StageCollaboration
+from server.collab.base import Collaboration, LocalSteps
+from server.collab.epoch import Phase, StageCollaboration
 
-__all__ = ["ALLREDUCE_COMPRESSION", "BYTES_PER_VALUE", "LocalSteps", "StageAverager", "StageCollaboration"]
+__all__ = ["Collaboration", "LocalSteps", "Phase", "StageCollaboration"]

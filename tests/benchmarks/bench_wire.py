@@ -44,12 +44,10 @@ def pick_model(preset: str | None, device: torch.device, seq_len: int | None) ->
 
 # ---------------------------------------------------------------------------------------------------- bytes on the wire
 def hivemind_codecs() -> dict:
-    """The all-reduce's own codecs (hivemind's), as the server configures them; empty if that module changed."""
-    try:
-        from server.collab import ALLREDUCE_COMPRESSION
-    except ImportError:
-        return {}
-    return ALLREDUCE_COMPRESSION
+    """The all-reduce's own codecs (hivemind's), as the server configures them."""
+    from server.collab.averaging import hivemind_compression
+
+    return {name: hivemind_compression(codec) for name, codec in CODECS.items()}
 
 
 def hivemind_bytes(codec, t: torch.Tensor) -> int:

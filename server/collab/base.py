@@ -1,0 +1,78 @@
+"""What a stage server needs from its training semantics, and the simplest one: a peer that steps alone."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from server.worker import StageWorker
+from swarm.protocol import wire_pb2 as pb
+
+
+class Collaboration(Protocol):
+    """The stage's training semantics as the server drives them: `launch`, `join`, `start` before serving;
+    `after_backward` after every backward (before its reply); `finish_epoch` and `stop` when leaving the stage."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def allreduce_bytes(self) -> int: ...
+
+    async def launch(self) -> None: ...
+
+    async def join(self) -> bool:
+        """Take the stage's state from its live peers; False if there are none."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def finish_epoch(self, timeout: float) -> int:
+        """Wait for the current epoch to end; returns the samples whose gradients it could not average in time."""
+        ...
+
+    async def after_backward(self) -> None: ...
+
+    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
+        """A stage peer's progress; None if this collaboration has no stage peers."""
+        ...
+
+
+class LocalSteps:
+    """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
+
+    allreduce_bytes = 0
+
+    def __init__(self, worker: StageWorker, target: int):
+        self.worker, self.target = worker, target
+
+    @property
+    def epoch(self) -> int:
+        return self.worker.epoch
+
+    async def launch(self) -> None:
+        pass
+
+    async def join(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def finish_epoch(self, timeout: float) -> int:
+        return self.worker.samples_accumulated
+
+    async def after_backward(self) -> None:
+        if self.worker.samples_accumulated >= self.target:
+            await self.worker.submit(self._step)
+
+    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
+        return None
+
+    def _step(self) -> None:
+        grads, _ = self.worker.take_gradients()
+        self.worker.apply_gradients(grads, end_epoch=True)

@@ -1,0 +1,269 @@
+"""The epoch protocol of a stage: when its peers end an epoch, average, and step.
+
+The peers of a stage accumulate gradients until *together* they have processed the global batch
+(`--samples-per-step`; progress.py keeps the count), average them (averaging.py), and step together, so the swarm
+trains one model per stage rather than one per peer. The peer whose count completes the batch tells the others to
+join the all-reduce; peers that received nothing this epoch take part with weight 0. A failed round, a peer that fell
+behind, and a joiner are handled by recovery.py.
+
+Synchronous mode averages and steps on the compute thread: requests queue (the event loop, Info and health stay live)
+for the few hundred milliseconds of an all-reduce. `--delay-optimizer-step` instead averages in the background while
+the stage keeps computing with the previous parameters (delayed parameter updates), and applies the step when ready.
+
+Who writes what: the epoch lives in the worker and only the compute thread changes it (with the parameters, under the
+worker's state lock); the phase below is the event loop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from dht.node import SwarmDHT
+from server.collab.averaging import build_averaging
+from server.collab.hivemind_compat import check_version
+from server.collab.progress import StagePeers
+from server.collab.recovery import Recovery, catch_up_source
+from server.config import ServerConfig
+from server.worker import StageWorker
+from swarm.compression import CompressionPolicy, get_codec
+from swarm.protocol import wire_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    """What the collaboration is doing. The event loop is the only writer."""
+
+    ACCUMULATING = "accumulating"  # serving; gradients add up towards the epoch's global batch
+    ENDING = "ending"  # averaging and stepping (sync: on the compute thread; delayed: in the background)
+    RECOVERING = "recovering"  # downloading a peer's state: behind, or stepped alone
+    STOPPED = "stopped"
+
+
+class StageCollaboration:
+    """Build anywhere, then on the main thread `await launch()` (hivemind's averagers are forked processes), then
+    `await join()` and `await start()` before serving; `await stop()` when done with the stage."""
+
+    def __init__(self, worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: ServerConfig):
+        self.worker, self.sdht, self.stage, self.cfg = worker, sdht, stage, cfg
+        self.policy = CompressionPolicy(allreduce_gradients=cfg.allreduce_codec)
+        self.averaging = build_averaging(worker, sdht, stage, cfg, self.policy)
+        self.peers = StagePeers(sdht, stage, cfg.peer_timeout)
+        self.phase = Phase.ACCUMULATING
+        # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
+        self.diverged = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
+        self.recovery = Recovery(worker, self.averaging.state, self.peers, cfg, stage, self._pool)
+        self._kick = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._poller: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
+
+    @property
+    def epoch(self) -> int:
+        return self.worker.epoch
+
+    @property
+    def address(self) -> str:
+        return self.peers.address
+
+    @address.setter
+    def address(self, value: str) -> None:
+        self.peers.address = value
+
+    @property
+    def allreduce_bytes(self) -> int:
+        return self.averaging.bytes
+
+    @property
+    def busy(self) -> bool:
+        return self.phase in (Phase.ENDING, Phase.RECOVERING)
+
+    # --- lifecycle -------------------------------------------------------------------------------------------------
+
+    async def launch(self, timeout: float = 60.0) -> None:
+        """Main thread (the event loop's): fork the averagers' processes, then wait for them off the loop.
+
+        bitsandbytes is imported lazily, and importing it takes seconds on a loaded machine: initialise it here first,
+        so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
+        overruns --averaging-timeout (measured: the first round failed on every stage of a 3x2 local swarm)."""
+        check_version()
+        if self.cfg.allreduce_codec == "blockwise8":
+            await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
+        self.averaging.launch()
+        await asyncio.to_thread(self.averaging.wait_until_ready, timeout)
+
+    async def join(self) -> bool:
+        return await self.recovery.join()
+
+    async def start(self) -> None:
+        """Start watching the stage. Call after `join` (and any checkpoint load)."""
+        self.averaging.state.state_sharing_priority = self.worker.param_version
+        self._loop = asyncio.get_running_loop()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        self.phase = Phase.STOPPED
+        pending = [t for t in (self._poller, *self._tasks) if t is not None]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self.peers.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.averaging.shutdown)
+
+    async def finish_epoch(self, timeout: float) -> int:
+        """Before leaving the stage (no new work arrives): wait until our gradients went into an all-reduce, i.e. the
+        stage's current epoch ended. Returns the samples whose gradients are dropped because it did not end in time."""
+        deadline = time.monotonic() + timeout
+        while (self.worker.samples_accumulated > 0 or self.busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self.worker.samples_accumulated
+
+    # --- the epoch protocol ----------------------------------------------------------------------------------------
+
+    async def after_backward(self) -> None:
+        """Event loop, after every backward and before its reply: tell the stage, end the epoch if it is full."""
+        await self._broadcast(end_epoch=False)
+        await self._maybe_end_epoch()
+
+    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
+        """A stage peer's count (validated by the service). Never blocks: the poller acts on it."""
+        self.peers.record(msg)
+        logger.debug(
+            "progress from %s: epoch %d, %d samples%s (we are at %d, %s)",
+            msg.peer_id[-6:],
+            msg.epoch,
+            msg.samples,
+            ", end of epoch" if msg.end_epoch else "",
+            self.epoch,
+            self.phase.value,
+        )
+        if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING:
+            task = asyncio.get_running_loop().create_task(self._end_epoch_once(int(msg.epoch)))
+            self._tasks.add(task)  # asyncio keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
+        self._kick.set()
+        return pb.ProgressAck(epoch=self.epoch)
+
+    async def _broadcast(self, end_epoch: bool) -> None:
+        await self.peers.broadcast(self.epoch, self.worker.samples_accumulated, end_epoch)
+
+    async def _poll_forever(self) -> None:
+        last_refresh = 0.0
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.cfg.progress_period)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                if time.monotonic() - last_refresh > self.cfg.announce_period:
+                    last_refresh = time.monotonic()
+                    await self.peers.refresh()
+                    await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
+                await self._maybe_end_epoch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("progress check failed: %r", e)
+
+    async def _maybe_end_epoch(self) -> None:
+        if self.phase is not Phase.ACCUMULATING:
+            return
+        mine = self.epoch
+        ahead = self.peers.furthest()
+        ahead = mine if ahead is None else ahead
+        if ahead >= mine + 2 or self.diverged:
+            await self._catch_up()
+        elif ahead == mine + 1:  # peers just finished this epoch: join their all-reduce (or step alone, then resync)
+            await self._end_epoch_once(mine)
+        elif self.worker.samples_accumulated + self.peers.samples_in(mine) >= self.cfg.samples_per_step:
+            await self._broadcast(end_epoch=True)
+            await self._end_epoch_once(mine)
+
+    async def _end_epoch_once(self, epoch: int) -> None:
+        if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
+            return
+        logger.debug("ending epoch %d", epoch)
+        self.phase = Phase.ENDING
+        self.peers.forget_before(epoch)
+        n_peers = self.peers.group_size(epoch)
+        try:
+            if not self.cfg.delay_optimizer_step:
+                await self.worker.submit(lambda: self._average_and_step(n_peers))
+            else:
+                grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
+                # peers report the next epoch while this one is still being averaged in the background
+                averaged = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._average, grads, n, n_peers, epoch, False
+                )
+                if averaged is None:
+                    averaged, self.diverged = grads, True
+                await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
+        finally:
+            if self.phase is Phase.ENDING:
+                self.phase = Phase.ACCUMULATING
+        self.averaging.state.state_sharing_priority = self.worker.param_version
+        await self._broadcast(end_epoch=False)
+
+    def _average(
+        self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
+    ) -> list[torch.Tensor] | None:
+        """Averaging pool or compute thread. `wait_for_peers`: the peers' reports of the next epoch mean this round
+        ended for them (synchronous steps); with delayed steps they report it while the round still runs."""
+        if n_peers <= 1:
+            return grads
+        return self.averaging.gradients.average(
+            grads,
+            n,
+            label=f"stage {self.stage} epoch {epoch}",
+            finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
+            retry_grace=self.cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
+        )
+
+    def _average_and_step(self, n_peers: int) -> None:
+        """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
+        epoch = self.epoch
+        grads, n = self.worker.take_gradients()
+        if n == 0 and n_peers <= 1:  # our peers are gone (a count we were told died with them): nothing to step on
+            return
+        averaged = self._average(grads, n, n_peers, epoch, True)
+        if averaged is None:
+            averaged = self.recovery.after_failed_round(grads, n)
+        if averaged is not None:
+            self.worker.apply_gradients(averaged, end_epoch=True)
+        if self.epoch == epoch:
+            return
+        if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
+            # tell the stage first: a peer copying our state after a failed round waits for our new epoch
+            assert self._loop is not None
+            asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
+            self.averaging.parameters.average(self.worker)
+
+    async def _catch_up(self) -> None:
+        """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
+        epochs = self.peers.epochs_of()
+        source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged)
+        if source is None:
+            return
+        logger.info(
+            "stage %d: behind (epoch %d, swarm at %d) or diverged: downloading the state of %s",
+            self.stage,
+            self.epoch,
+            max([self.epoch, *epochs.values()]),
+            source[-6:],
+        )
+        self.phase = Phase.RECOVERING
+        try:
+            if await self.recovery.download(source):
+                self.diverged = False
+        finally:
+            if self.phase is Phase.RECOVERING:
+                self.phase = Phase.ACCUMULATING

@@ -1,0 +1,114 @@
+"""Who else serves this stage, and how far each of them is: the peers' `Progress` messages and the DHT.
+
+After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC),
+so every peer knows the exact total of the current epoch and a trainer that waits for its replies sees epochs end
+exactly at the global batch. The DHT says who the peers are; a `Progress` message from a peer the DHT has not listed
+yet adds it (a peer that joined since our last lookup).
+
+Owned by the event loop: only it writes. Other threads read copies (`ahead_of`, `counts_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from dht.node import SwarmDHT
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+
+logger = logging.getLogger(__name__)
+
+
+class StagePeers:
+    def __init__(self, sdht: SwarmDHT, stage: int, peer_timeout: float):
+        self.sdht, self.stage, self.peer_timeout = sdht, stage, peer_timeout
+        self.address = ""  # our own host:port, set by the server once gRPC is bound
+        self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
+        self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
+        self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
+        self._missed_once: set[str] = set()  # known peers the last DHT read did not list
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def record(self, msg: pb.StageProgress) -> None:
+        """A stage peer's count (validated by the service)."""
+        self.view[msg.peer_id] = (int(msg.epoch), int(msg.samples))
+        counts = self._counts.setdefault(int(msg.epoch), {})
+        counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
+        if msg.address:
+            self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
+
+    async def refresh(self) -> None:
+        """The stage's peers as the DHT lists them. A peer we know that one read misses stays until a second read
+        misses it too: under load a record can be briefly absent, and forgetting a live peer (and the samples it
+        reported) stalls the stage until that peer next reports, which it does only after the epoch it waits for."""
+        entries = await self.sdht.discover(self.stage)
+        listed = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        missed = {p: a for p, a in self.peers.items() if p not in listed and p not in self._missed_once}
+        self._missed_once = set(missed)
+        self.peers = {**missed, **listed}
+        self.view = {p: v for p, v in self.view.items() if p in self.peers}
+
+    async def broadcast(self, epoch: int, samples: int, end_epoch: bool) -> None:
+        msg = pb.StageProgress(
+            protocol_version=PROTOCOL_VERSION,
+            stage=self.stage,
+            peer_id=self.sdht.peer_id,
+            epoch=epoch,
+            samples=samples,
+            end_epoch=end_epoch,
+            address=self.address,
+        )
+        await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
+
+    async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
+        if address not in self._channels:
+            self._channels[address] = aio_channel(address)
+        try:
+            await StageStub(self._channels[address]).progress(msg, timeout=self.peer_timeout)
+        except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
+            logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
+            self.peers.pop(peer_id, None)
+            self.view.pop(peer_id, None)
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                await channel.close()
+
+    # --- queries (any thread: they copy what the event loop updates) -----------------------------------------------
+
+    def furthest(self) -> int | None:
+        return max((e for e, _ in dict(self.view).values()), default=None)
+
+    def samples_in(self, epoch: int) -> int:
+        """Samples the other peers reported for `epoch`, as they stand in their latest messages."""
+        return sum(s for e, s in dict(self.view).values() if e == epoch)
+
+    def ahead_of(self, epoch: int) -> list[str]:
+        """Stage peers that have finished `epoch`, by peer id."""
+        return sorted(p for p, (e, _) in dict(self.view).items() if e > epoch)
+
+    def all_ahead_of(self, epoch: int) -> bool:
+        return set(self.peers) <= set(self.ahead_of(epoch))
+
+    def group_size(self, epoch: int) -> int:
+        """Us and every peer we know of, or that reported `epoch`."""
+        return 1 + len(set(self.peers) | {p for p, (e, _) in dict(self.view).items() if e == epoch})
+
+    def counts_of(self, epoch: int) -> dict[str, int]:
+        """Samples each live peer reported for `epoch` (the largest count each sent)."""
+        live = set(self.peers)
+        return {p: n for p, n in dict(self._counts.get(epoch, {})).items() if p in live}
+
+    def epochs_of(self) -> dict[str, int]:
+        return {p: e for p, (e, _) in dict(self.view).items()}
+
+    def forget_before(self, epoch: int) -> None:
+        """Event loop: counts of epochs before `epoch` are no longer needed."""
+        for old in [e for e in self._counts if e < epoch]:
+            del self._counts[old]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

@@ -1,0 +1,167 @@
+"""How a peer gets back to the stage's one model: joining, copying the reference after a failed round, catching up.
+
+Every state transfer goes through the stage averager's state sharing: parameters, optimizer state and epoch, read
+under the worker's state lock by the sender, loaded on the receiver's compute thread (which drops the gradients of
+the epoch it leaves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Executor
+
+import torch
+
+from server.collab.averaging import StageAverager
+from server.collab.progress import StagePeers
+from server.config import ServerConfig
+from server.worker import StageWorker, state_digest
+
+logger = logging.getLogger(__name__)
+UNUSABLE_STATE = (ValueError, KeyError, TypeError, AttributeError)  # what loading a malformed state raises
+
+
+def catch_up_source(my_epoch: int, epochs: dict[str, int], me: str, diverged: bool) -> tuple[str | None, bool]:
+    """Pure. Whom to copy: the peer furthest ahead (smallest id among equals) when one is ahead of us; when we
+    `diverged` (stepped alone), the smallest peer id among those at our epoch, unless that is us. Returns (source or
+    None, whether we are still diverged): None and still diverged while a peer is behind us, since it may step alone
+    too and the reference is decided once it has."""
+    ahead = max([my_epoch, *epochs.values()])
+    if ahead > my_epoch:
+        return min(p for p, e in epochs.items() if e == ahead), diverged
+    if not diverged:
+        return None, False
+    if any(e < my_epoch for e in epochs.values()):
+        return None, True
+    same = sorted(p for p, e in epochs.items() if e == my_epoch)
+    if not same or me < same[0]:
+        return None, False  # we are the reference: the others copy us
+    return same[0], True
+
+
+class Recovery:
+    """State transfers of one stage peer. Methods say which thread they run on."""
+
+    def __init__(
+        self,
+        worker: StageWorker,
+        averager: StageAverager,
+        peers: StagePeers,
+        cfg: ServerConfig,
+        stage: int,
+        pool: Executor,
+    ):
+        self.worker, self.averager, self.peers, self.cfg, self.stage, self.pool = (
+            worker,
+            averager,
+            peers,
+            cfg,
+            stage,
+            pool,
+        )
+
+    async def join(self) -> bool:
+        """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
+        none answered: a new stage, whose first peers all start from the shared seed (or a checkpoint)."""
+        await self.peers.refresh()
+        if not self.peers.peers:
+            return False
+        logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers.peers))
+        if await self.download():
+            return True
+        # hivemind chose no source: the DHT record of who shares state can lag behind (see `download_state`)
+        for peer_id in sorted(self.peers.peers):
+            logger.info("stage %d: asking %s for its state by name", self.stage, peer_id[-6:])
+            if await self.download(peer_id, attempts=1):
+                return True
+        logger.warning("stage %d: no peer sent its state", self.stage)
+        return False
+
+    async def download(self, source: str | None = None, attempts: int = 3) -> bool:
+        """Event loop. From `source` (a peer id), else from whichever peer the DHT lists as sharing its state."""
+        loop = asyncio.get_running_loop()
+        if source is not None:
+            fetch = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
+        else:
+            fetch = functools.partial(self.averager.load_state_from_peers, timeout=self.cfg.averaging_timeout)
+        for attempt in range(attempts):
+            try:
+                loaded = await loop.run_in_executor(self.pool, fetch)
+            except TimeoutError:  # hivemind's load_state_from_peers raises it where download_state returns None
+                loaded = None
+            if loaded is not None:
+                meta, tensors = loaded
+                try:
+                    await self.worker.submit(functools.partial(self.load, meta, tensors))
+                    return True
+                except UNUSABLE_STATE as e:
+                    logger.warning("downloaded state is unusable: %r", e)
+            if attempt + 1 < attempts:
+                await asyncio.sleep(1.0 + attempt)
+        return False
+
+    def load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Compute thread: replaces parameters, optimizer state and epoch; drops gradients of the old epoch."""
+        self.worker.take_gradients()
+        self.worker.load_state(meta, tensors)
+        logger.info(
+            "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
+        )
+
+    def after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:
+        """Compute thread, after a failed round of the current epoch, before any request sees our parameters. Returns
+        the gradients to step alone on, or None: we copied a peer's state (the epoch moved on) or the epoch stays open.
+
+        One peer steps alone and the others copy it, so the stage stays one model. The reference is a peer that has
+        finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
+        the smallest peer id); every peer names the same one, because peers report their counts before they reply
+        to a trainer, hence before the epoch can end. The reference steps alone on its own gradients; the others
+        wait for it to step and copy its state; if it does not step in time we do not step at all: the epoch stays
+        open, our gradients stay accumulated, and the next round, or a peer that finishes the epoch, closes it."""
+        epoch, me = self.worker.epoch, self.peers.sdht.peer_id
+        counts = self.peers.counts_of(epoch)
+        counts[me] = n_samples
+        ahead = self.peers.ahead_of(epoch)
+        reference = ahead[0] if ahead else min(counts, key=lambda p: (-counts[p], p))
+        if reference == me:
+            logger.warning(
+                "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                self.stage,
+                epoch,
+                n_samples,
+            )
+            return grads
+        logger.warning(
+            "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
+            self.stage,
+            epoch,
+            reference[-6:],
+            "finished the epoch" if ahead else f"{counts[reference]} samples",
+        )
+        self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
+        try:
+            deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
+            while time.monotonic() < deadline:
+                if self.peers.epochs_of().get(reference, epoch) <= epoch:
+                    time.sleep(0.02)
+                    continue
+                loaded = self.averager.download_state(reference, timeout=self.cfg.averaging_timeout)
+                if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
+                    self.load(*loaded)
+                    return None
+                time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
+        except UNUSABLE_STATE as e:
+            logger.warning("copying the state of the stage's reference peer failed: %r", e)
+        finally:
+            self.averager.allow_state_sharing = True
+        logger.warning(
+            "stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
+            self.stage,
+            epoch,
+            n_samples,
+        )
+        self.worker.return_gradients(grads, n_samples)
+        return None
