@@ -196,8 +196,8 @@ def build_averaging(
         **common,
     )
     param_codec = policy.codec(TensorRole.PARAMETERS)
-    param_averager = DecentralizedAverager(
-        [p.detach().cpu().clone() for p in worker.params],
+    param_averager = StrictAverager(
+        averaged_tensors=[p.detach().cpu().clone() for p in worker.params],
         prefix=f"{prefix}_params",
         compression=hivemind_compression(param_codec),
         allow_state_sharing=False,

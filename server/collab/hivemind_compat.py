@@ -1,8 +1,12 @@
 """Every private hivemind API this project relies on, in one file, written against the pinned hivemind==1.1.12.
 
 An upgrade of hivemind means re-reading exactly what this module touches:
-- `DecentralizedAverager._run_allreduce_inplace_` (overridden), `._running_groups` (the round's `AllReduceRunner`),
-  `AllReduceRunner.tensor_part_container.failed_size` and `.banned_senders`: to fail a round with parts not averaged;
+- `DecentralizedAverager._run_allreduce_inplace_` (replaced: it builds our runner and copies its results in),
+  `._running_groups`, `._averaging_alpha`, `.last_updated`, `._state_updated`;
+- `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
+  `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
+  `compression`, `failed_size`), `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
+  `banned_senders`: to hand every peer the same averaged values, and to fail a round with parts not averaged;
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good.
@@ -10,18 +14,20 @@ An upgrade of hivemind means re-reading exactly what this module touches:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_tensor_stream
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
@@ -45,20 +51,92 @@ def start_in_background(averager: DecentralizedAverager) -> None:
         signal.signal(signal.SIGINT, handler)
 
 
+class ExactAllReduceRunner(AllReduceRunner):
+    """An all-reduce after which every peer holds the same averaged values, bit for bit.
+
+    hivemind's reducer of a part sends each sender the difference between the part's average and that sender's own
+    (compressed) part, and each sender adds it to its exact local values: with a lossy codec every peer ends with a
+    different average (its own compression error stays in it), and peers of a stage drift apart step after step. Here
+    the reducer sends the average itself, encoded once and identically for every sender, and keeps for its own part
+    exactly what it sends: the decoded average. The codec's error remains, but it is the same on every peer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
+
+    def _as_sent(self, averaged: torch.Tensor) -> torch.Tensor:
+        compression = self.tensor_part_container.compression.compression_type
+        return deserialize_torch_tensor(serialize_torch_tensor(averaged, compression))
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id != self.peer_id:  # a remote reducer: what it sends back is registered as it comes
+            return await super()._communicate_with_peer(peer_id)
+        peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self._as_sent(averaged))
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """Reducer side: add each part a sender streams to the accumulator; answer with the part's average."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for part, weight, compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned meanwhile: its parts are no longer needed
+                reply = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
 class StrictAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose rounds either average everything or fail, and that can download the state of
-    one named peer."""
+    """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
+    values (ExactAllReduceRunner), and that can download the state of one named peer."""
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        """hivemind counts a round in which some reducers timed out as a success ("received 57% results"): the parts
-        they held stay local, and peers silently disagree. So is a round in which we excluded a sender that timed out
-        from the part we reduced. Make such a round fail, so that the caller retries it."""
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        runner = self._running_groups[group_info.group_id if group_id is None else group_id].result()
+        """Averages `tensors` in place with the group. hivemind counts a round in which some reducers timed out as a
+        success ("received 57% results"): the parts they held stay local, and peers silently disagree. So is a round
+        in which we excluded a sender that timed out from the part we reduced. Such a round fails here, so that the
+        caller retries it."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise AllreduceException("stage peers average as full nodes, not as auxiliaries")
+        if self._averaging_alpha != 1.0:
+            raise ValueError("an exact all-reduce replaces tensors by the average: averaging_alpha must be 1")
+        outputs = []
+        async for averaged in runner:
+            outputs.append(averaged)
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
         if runner.banned_senders:  # their values are missing from the parts we reduced: other peers got them
             raise AllreduceException(f"{len(runner.banned_senders)} peers' values were left out of our part")
+        for tensor, averaged in zip(tensors, outputs, strict=True):  # all or nothing: a failed round changes nothing
+            tensor.copy_(averaged)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
 
     def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Any thread. The state of one named peer of the stage, or None if it did not send one (it is not sharing,
