@@ -42,6 +42,13 @@ class ServerConfig:
         default=False,
         metadata={"help": "average and step in the background while " "serving with the previous parameters (DPU)"},
     )
+    stash_versions: int = field(
+        default=2,
+        metadata={
+            "help": "parameter versions kept so that a backward recomputes its forward at the parameters that served "
+            "it, not at ones stepped since (0: always the current ones)"
+        },
+    )
     param_average_every: int = field(
         default=5,
         metadata={"help": "average the peers' parameters every N epochs " "(bounds rounding drift; 0: never)"},
@@ -89,5 +96,7 @@ class ServerConfig:
             raise ValueError("--samples-per-step and --max-batch-size must be >= 1")
         if self.record_ttl <= self.announce_period:
             raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
+        if self.stash_versions < 0:
+            raise ValueError(f"--stash-versions must be >= 0, got {self.stash_versions}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")

@@ -150,7 +150,7 @@ class StageService:
             call = await read_call(
                 raw_frames, limits
             )  # raw frames: swarm.protocol.frames parses them, one payload copy
-            reply = await worker.submit(lambda: self._compute(call, backward), deadline)
+            reply = await worker.submit(lambda: self._compute(call, backward), deadline, request=True)
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
@@ -186,11 +186,12 @@ class StageService:
             _expect(other_name in call.tensors, f"missing tensor {other_name!r}")
             other = decode_tensor(call.tensors[other_name], device)
             schema.check_backward(inputs, other)
-            if schema.is_last:
+            if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
                 result = self.worker.backward(inputs, labels=other)
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
             else:
-                result = self.worker.backward(inputs, grad_outputs=other.float())
+                version = meta.forward_version if meta.HasField("forward_version") else None
+                result = self.worker.backward(inputs, grad_outputs=other.float(), forward_version=version)
             tensors = [] if result.grad_inputs is None else [encode_tensor("grad_inputs", result.grad_inputs, codec)]
         reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length
         return list(iter_frames(reply_meta, tensors))

@@ -17,9 +17,10 @@ import contextlib
 import hashlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +44,54 @@ class DeadlineExpired(Exception):
     """The caller's deadline passed while the request waited in the queue: nothing was computed."""
 
 
+class ComputeThread:
+    """The one thread that runs every job on a stage's module and optimizer. Requests run in arrival order; control
+    jobs (ending an epoch, loading a state) run before any request still waiting, so that an epoch holds the
+    gradients of exactly the backwards that ran before it ended, not of a burst queued behind its end."""
+
+    def __init__(self, name: str):
+        self._ready = threading.Condition()
+        self._control: deque[tuple[Future, Callable[[], Any]]] = deque()
+        self._requests: deque[tuple[Future, Callable[[], Any]]] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], R], control: bool) -> Future[R]:
+        future: Future[R] = Future()
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the stage's compute thread is shut down")
+            (self._control if control else self._requests).append((future, fn))
+            self._ready.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not (self._control or self._requests or self._closed):
+                    self._ready.wait()
+                if not (self._control or self._requests):
+                    return
+                future, fn = (self._control or self._requests).popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancels jobs that have not started; waits for the running one."""
+        with self._ready:
+            self._closed = True
+            for future, _ in (*self._control, *self._requests):
+                future.cancel()
+            self._control.clear()
+            self._requests.clear()
+            self._ready.notify()
+        self._thread.join()
+
+
 class StageWorker:
     def __init__(self, stage: Stage, cfg: ServerConfig, device: torch.device, prior_throughput: float = 0.0):
         """`prior_throughput` > 0: what `throughput` reports until PRIOR_UNTIL microbatches of this stage are measured
@@ -53,29 +102,35 @@ class StageWorker:
         self.optimizer = build_optimizer(cfg.optimizer, self.params, cfg.lr, cfg.weight_decay)
         self.schedule = build_schedule(self.optimizer, cfg.warmup_steps, cfg.total_steps)
         self.state_lock = threading.Lock()  # parameters and optimizer state change only under it
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{stage.index}-compute")
+        self.compute = ComputeThread(f"stage{stage.index}-compute")
         self.queue_length = 0
         self.param_version = 0  # optimizer steps taken
         self.epoch = 0  # global batches finished: param_version, plus one while a delayed step is pending
         self.samples_processed = 0
         self.samples_accumulated = 0
+        # the parameters of the last few versions (cfg.stash_versions), so that a backward whose forward ran before a
+        # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
+        self._stash: dict[int, list[torch.Tensor]] = {}
+        self.backwards_at_stashed_version = 0  # microbatches whose forward ran before a step, recomputed as it ran
+        self.backwards_past_stash = 0  # ... whose version was no longer kept: recomputed at the current parameters
         self.microbatches_processed = 0
         self._seconds_per_sample: dict[str, float] = {}  # EMA per kind of work: "forward", "backward"
         self._fastest: dict[tuple[str, int], float] = {}  # (kind, samples) -> least seconds seen, for --slowdown
 
-    async def submit(self, fn: Callable[[], R], deadline: float | None = None) -> R:
-        """Run `fn` on the compute thread. Raises DeadlineExpired instead of running it if `deadline` (monotonic) passed."""
+    async def submit(self, fn: Callable[[], R], deadline: float | None = None, request: bool = False) -> R:
+        """Run `fn` on the compute thread: a `request` (Forward, Backward) after those before it, anything else before
+        every waiting request. Raises DeadlineExpired instead of running it if `deadline` (monotonic) passed."""
 
         def guarded() -> R:
             if deadline is not None and time.monotonic() > deadline:
                 raise DeadlineExpired
             return fn()
 
-        self.queue_length += 1
+        self.queue_length += request
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, guarded)
+            return await asyncio.wrap_future(self.compute.submit(guarded, control=not request))
         finally:
-            self.queue_length -= 1
+            self.queue_length -= request
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Compute thread only."""
@@ -83,16 +138,56 @@ class StageWorker:
             return stage_forward(self.stage, inputs)
 
     def backward(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        forward_version: int | None = None,
     ) -> BackwardResult:
-        """Compute thread only. Accumulates this microbatch's gradients and steps when enough samples arrived."""
+        """Compute thread only. Adds this microbatch's gradients to the epoch's. `forward_version`: the param_version
+        that served this microbatch's forward; the recomputed forward uses those parameters if they are stashed."""
         n = inputs.shape[0]
-        with self._timed("backward", n):
+        stashed = None
+        if forward_version is not None and forward_version != self.param_version:
+            stashed = self._stash.get(forward_version)
+            if stashed is None:
+                self.backwards_past_stash += 1
+            else:
+                self.backwards_at_stashed_version += 1
+        with self._timed("backward", n), self._parameters(stashed):
             result = stage_backward(self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n)
         self.samples_processed += n
         self.samples_accumulated += n
         self.microbatches_processed += 1
         return result
+
+    @contextlib.contextmanager
+    def _parameters(self, values: list[torch.Tensor] | None) -> Iterator[None]:
+        """Compute thread. The module computes with `values` instead of its parameters (None: its own); gradients
+        still go to the parameters' `.grad`. Under the state lock: nobody may read the parameters meanwhile."""
+        if values is None:
+            yield
+            return
+        with self.state_lock:
+            live = [p.data for p in self.params]
+            for p, v in zip(self.params, values, strict=True):
+                p.data = v
+            try:
+                yield
+            finally:
+                for p, d in zip(self.params, live, strict=True):
+                    p.data = d
+
+    def _stash_parameters(self) -> None:
+        """Compute thread, under the state lock, before the parameters change: keep the current version's."""
+        if self.cfg.stash_versions <= 0:
+            return
+        versions = sorted(self._stash)
+        reuse = self._stash.pop(versions[0]) if len(versions) >= self.cfg.stash_versions else None
+        if reuse is None:
+            self._stash[self.param_version] = [p.detach().clone() for p in self.params]
+        else:
+            self._stash[self.param_version] = [r.copy_(p.detach()) for r, p in zip(reuse, self.params, strict=True)]
 
     @torch.no_grad()
     def take_gradients(self, end_epoch: bool = False) -> tuple[list[torch.Tensor], int]:
@@ -123,6 +218,7 @@ class StageWorker:
             saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
             for p, g in zip(self.params, grads, strict=False):
                 p.grad = g.to(p.device, p.dtype)
+            self._stash_parameters()
             if self.cfg.clip_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad_norm)
             self.optimizer.step()
@@ -171,6 +267,7 @@ class StageWorker:
             idx, key = name.split("/", 1)
             state.setdefault(int(idx), {})[key] = value
         with self.state_lock, torch.no_grad():
+            self._stash.clear()  # versions of another history: a backward that names one is recomputed as of now
             for p, t in zip(self.params, tensors[:n], strict=False):
                 p.copy_(t)
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
@@ -243,4 +340,4 @@ class StageWorker:
         self.samples_processed = self.samples_accumulated = self.microbatches_processed = 0
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.compute.shutdown()

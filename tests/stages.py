@@ -60,8 +60,8 @@ class InProcessStages:
 async def run_microbatch(stages: InProcessStages, client: StageClient, tokens: torch.Tensor, labels: torch.Tensor):
     """The trainer's schedule (trainer/schedule.py) through these servers, with no routing: returns the loss."""
 
-    async def call(stage, method, tensors, expect):
-        return await client.call(stages.addresses[stage], method, stage, "m", tensors, expect, 120)
+    async def call(stage, method, tensors, expect, forward_version):
+        return await client.call(stages.addresses[stage], method, stage, "m", tensors, expect, 120, forward_version)
 
     return await train_microbatch(call, stages.cfg.n_stages, stages.cfg.d_model, tokens, labels)
 

@@ -2,6 +2,7 @@
 trainer's own client: gradient parity with the single-process model, wire savings, and rejection of bad requests."""
 
 import dataclasses
+import threading
 
 import grpc
 import pytest
@@ -169,3 +170,44 @@ def test_returned_gradients_accumulate_on_as_if_never_taken():
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
     assert workers[0].param_version == 0
+
+
+def test_control_jobs_run_before_waiting_requests():
+    """Ending an epoch must not wait behind a burst of queued backwards (they would all fold into the epoch)."""
+    from server.worker import ComputeThread
+
+    compute, order, gate = ComputeThread("test"), [], threading.Event()
+    try:
+        futures = [compute.submit(gate.wait, control=False)]  # running: holds the thread
+        futures += [compute.submit(lambda i=i: order.append(f"request {i}"), control=False) for i in range(3)]
+        futures.append(compute.submit(lambda: order.append("end epoch"), control=True))
+        gate.set()
+        for f in futures:
+            f.result(timeout=5)
+        assert order == ["end epoch", "request 0", "request 1", "request 2"]
+    finally:
+        compute.shutdown()
+
+
+@pytest.mark.parametrize("stash_versions", [2, 0])
+def test_backward_recomputes_the_forward_at_the_version_that_served_it(stash_versions):
+    """A step between a microbatch's Forward and its Backward: the backward must use the parameters that produced the
+    microbatch's outputs (a gradient of one model), not the stepped ones, as long as that version is stashed."""
+    cfg = tiny_test()
+    server_cfg = ServerConfig(stash_versions=stash_versions)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, cfg.max_seq_len, cfg.d_model, generator=gen)
+    grad_out = torch.randn(2, cfg.max_seq_len, cfg.d_model, generator=gen)
+    worker, reference = (StageWorker(Stage(cfg, 1), server_cfg, CPU) for _ in range(2))  # identical: same seed
+    served_by = worker.param_version
+    worker.apply_gradients([torch.randn_like(p, generator=gen) for p in worker.params])  # another epoch's step
+    assert worker.param_version == served_by + 1
+    result = worker.backward(x, grad_outputs=grad_out, forward_version=served_by)
+    expected = reference.backward(x, grad_outputs=grad_out)  # the reference never stepped: version `served_by`
+    same = all(torch.equal(p.grad, q.grad) for p, q in zip(worker.params, reference.params, strict=True))
+    same = same and torch.equal(result.grad_inputs, expected.grad_inputs)
+    if stash_versions:
+        assert same and worker.backwards_at_stashed_version == 1
+        assert not any(torch.equal(p, q) for p, q in zip(worker.params, reference.params, strict=True)), "restored"
+    else:
+        assert not same and worker.backwards_past_stash == 1

@@ -51,8 +51,10 @@ class StageClient:
         tensors: dict[str, torch.Tensor],
         expect_shape: tuple[int, ...] | None,
         timeout: float,
+        forward_version: int | None = None,
     ) -> StageReply:
-        """`method` is "Forward" or "Backward". Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
+        """`method` is "Forward" or "Backward"; a Backward names the `forward_version` that served its Forward (the
+        server recomputes the forward at it). Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
         roles = {name: role_of(name, t.dtype) for name, t in tensors.items()}
         encoded = await loop.run_in_executor(
@@ -66,6 +68,7 @@ class StageClient:
             microbatch_id=microbatch_id,
             stage=stage,
             reply_codec=reply_codec,  # type: ignore[arg-type]  # protobuf enums are ints at run time
+            forward_version=forward_version,
         )
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)

@@ -10,21 +10,24 @@ import torch
 
 from trainer.client import StageReply
 
-# (stage, "Forward" | "Backward", tensors by name, expected shape of the reply's tensor or None) -> reply
-StageCall = Callable[[int, str, dict[str, torch.Tensor], tuple[int, ...] | None], Awaitable[StageReply]]
+# (stage, "Forward" | "Backward", tensors by name, expected shape of the reply's tensor or None, the param_version that
+# served the stage's Forward of this microbatch (Backward only, else None)) -> reply
+StageCall = Callable[[int, str, dict[str, torch.Tensor], tuple[int, ...] | None, int | None], Awaitable[StageReply]]
 
 
 async def train_microbatch(call: StageCall, n_stages: int, d_model: int, tokens: torch.Tensor, labels: torch.Tensor):
     """Returns the last stage's loss (None if it sent none). Every stage accumulates this microbatch's gradients."""
     B, T = tokens.shape
     hidden_BTD = (B, T, d_model)
-    acts = [tokens]  # inputs of each stage: token ids, then hidden states
+    acts, versions = [tokens], []  # inputs of each stage (token ids, then hidden states); Forward's param versions
     for s in range(n_stages - 1):
-        acts.append((await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD)).tensor)
+        reply = await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD, None)
+        acts.append(reply.tensor)
+        versions.append(reply.param_version)
     last = n_stages - 1
-    reply = await call(last, "Backward", {"inputs": acts[-1], "labels": labels}, tuple(acts[-1].shape))
+    reply = await call(last, "Backward", {"inputs": acts[-1], "labels": labels}, tuple(acts[-1].shape), None)
     loss, grad = reply.loss, reply.tensor
     for s in reversed(range(last)):
         expect = None if s == 0 else tuple(acts[s].shape)  # stage 0's inputs are token ids: no gradient
-        grad = (await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, expect)).tensor
+        grad = (await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, expect, versions[s])).tensor
     return loss

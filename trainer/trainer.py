@@ -25,7 +25,7 @@ from dht.records import ServerRecord
 from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.protocol.tensors import WireError, WireStats
-from trainer.client import StageClient
+from trainer.client import StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.routing import StageRouter
 from trainer.schedule import train_microbatch
@@ -112,16 +112,24 @@ class Trainer:
         stop.set()
 
     async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        async def call(stage, method, tensors, expect_shape):
-            return await self._call(stage, method, mb_id, tensors, expect_shape)
+        async def call(stage, method, tensors, expect_shape, forward_version):
+            return await self._call(stage, method, mb_id, tensors, expect_shape, forward_version)
 
         loss = await train_microbatch(call, self.n_stages, self.model_cfg.d_model, tokens, labels)
         if loss is None or not math.isfinite(loss):
             raise MicrobatchLost(f"last stage returned loss {loss}")
         return loss
 
-    async def _call(self, stage: int, method: str, mb_id: str, tensors: dict, expect_shape) -> object:
-        router, tried, last_error, attempts = self.routers[stage], set(), None, 0
+    async def _call(
+        self,
+        stage: int,
+        method: str,
+        mb_id: str,
+        tensors: dict[str, torch.Tensor],
+        expect_shape: tuple[int, ...] | None,
+        forward_version: int | None = None,
+    ) -> StageReply:
+        router, tried, last_error, attempts = self.routers[stage], set[str](), None, 0
         n = next(iter(tensors.values())).shape[0]
         waiting = False
         while attempts < self.cfg.max_retries:
@@ -148,7 +156,14 @@ class Trainer:
             start = time.monotonic()
             try:
                 reply = await self.client.call(
-                    record.address, method, stage, mb_id, tensors, expect_shape, self.cfg.request_timeout
+                    record.address,
+                    method,
+                    stage,
+                    mb_id,
+                    tensors,
+                    expect_shape,
+                    self.cfg.request_timeout,
+                    forward_version,
                 )
             except (TimeoutError, grpc.aio.AioRpcError, WireError) as e:
                 timed_out = isinstance(e, asyncio.TimeoutError) or (

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19swarm/protocol/wire.proto\x12\x08swarm.v1\"\x9e\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.swarm.v1.Codec\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.swarm.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x63odec_params\x18\x07 \x01(\x0cJ\x04\x08\x06\x10\x07\"\xbd\x01\n\x08\x43\x61llMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12$\n\x0breply_codec\x18\x04 \x01(\x0e\x32\x0f.swarm.v1.Codec\x12\x15\n\rparam_version\x18\n \x01(\x03\x12\x0c\n\x04loss\x18\x0b \x01(\x02\x12\x10\n\x08has_loss\x18\x0c \x01(\x08\x12\x14\n\x0cqueue_length\x18\r \x01(\x05\"_\n\x05\x46rame\x12 \n\x04meta\x18\x01 \x01(\x0b\x32\x12.swarm.v1.CallMeta\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.swarm.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\r\n\x0bInfoRequest\"\xbd\x01\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x10\n\x08n_stages\x18\x03 \x01(\x05\x12\x15\n\rparam_version\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x12\n\nthroughput\x18\x06 \x01(\x02\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\x12\x19\n\x11samples_processed\x18\x08 \x01(\x03\"\x8d\x01\n\rStageProgress\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x11\n\tend_epoch\x18\x06 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"\x1c\n\x0bProgressAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x03*@\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x11\n\rCODEC_FLOAT16\x10\x01\x12\x14\n\x10\x43ODEC_BLOCKWISE8\x10\x02*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x32\xda\x01\n\x05Stage\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x32\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x13.swarm.v1.InfoReply\x12:\n\x08Progress\x12\x17.swarm.v1.StageProgress\x1a\x15.swarm.v1.ProgressAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19swarm/protocol/wire.proto\x12\x08swarm.v1\"\x9e\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x0f.swarm.v1.Codec\x12\x1e\n\x05\x64type\x18\x03 \x01(\x0e\x32\x0f.swarm.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x03\x12\x14\n\x0c\x63odec_params\x18\x07 \x01(\x0cJ\x04\x08\x06\x10\x07\"\xef\x01\n\x08\x43\x61llMeta\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x15\n\rmicrobatch_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12$\n\x0breply_codec\x18\x04 \x01(\x0e\x32\x0f.swarm.v1.Codec\x12\x15\n\rparam_version\x18\n \x01(\x03\x12\x0c\n\x04loss\x18\x0b \x01(\x02\x12\x10\n\x08has_loss\x18\x0c \x01(\x08\x12\x14\n\x0cqueue_length\x18\r \x01(\x05\x12\x1c\n\x0f\x66orward_version\x18\x0e \x01(\x03H\x00\x88\x01\x01\x42\x12\n\x10_forward_version\"_\n\x05\x46rame\x12 \n\x04meta\x18\x01 \x01(\x0b\x32\x12.swarm.v1.CallMeta\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.swarm.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\r\n\x0bInfoRequest\"\xbd\x01\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x10\n\x08n_stages\x18\x03 \x01(\x05\x12\x15\n\rparam_version\x18\x04 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x05 \x01(\x05\x12\x12\n\nthroughput\x18\x06 \x01(\x02\x12\x19\n\x11model_config_json\x18\x07 \x01(\t\x12\x19\n\x11samples_processed\x18\x08 \x01(\x03\"\x8d\x01\n\rStageProgress\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x0f\n\x07samples\x18\x05 \x01(\x03\x12\x11\n\tend_epoch\x18\x06 \x01(\x08\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"\x1c\n\x0bProgressAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x03*@\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x11\n\rCODEC_FLOAT16\x10\x01\x12\x14\n\x10\x43ODEC_BLOCKWISE8\x10\x02*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x32\xda\x01\n\x05Stage\x12/\n\x07\x46orward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x30\n\x08\x42\x61\x63kward\x12\x0f.swarm.v1.Frame\x1a\x0f.swarm.v1.Frame(\x01\x30\x01\x12\x32\n\x04Info\x12\x15.swarm.v1.InfoRequest\x1a\x13.swarm.v1.InfoReply\x12:\n\x08Progress\x12\x17.swarm.v1.StageProgress\x1a\x15.swarm.v1.ProgressAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.protocol.wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=870
-  _globals['_CODEC']._serialized_end=934
-  _globals['_DTYPE']._serialized_start=936
-  _globals['_DTYPE']._serialized_end=1041
+  _globals['_CODEC']._serialized_start=920
+  _globals['_CODEC']._serialized_end=984
+  _globals['_DTYPE']._serialized_start=986
+  _globals['_DTYPE']._serialized_end=1091
   _globals['_TENSORHEADER']._serialized_start=40
   _globals['_TENSORHEADER']._serialized_end=198
   _globals['_CALLMETA']._serialized_start=201
-  _globals['_CALLMETA']._serialized_end=390
-  _globals['_FRAME']._serialized_start=392
-  _globals['_FRAME']._serialized_end=487
-  _globals['_INFOREQUEST']._serialized_start=489
-  _globals['_INFOREQUEST']._serialized_end=502
-  _globals['_INFOREPLY']._serialized_start=505
-  _globals['_INFOREPLY']._serialized_end=694
-  _globals['_STAGEPROGRESS']._serialized_start=697
-  _globals['_STAGEPROGRESS']._serialized_end=838
-  _globals['_PROGRESSACK']._serialized_start=840
-  _globals['_PROGRESSACK']._serialized_end=868
-  _globals['_STAGE']._serialized_start=1044
-  _globals['_STAGE']._serialized_end=1262
+  _globals['_CALLMETA']._serialized_end=440
+  _globals['_FRAME']._serialized_start=442
+  _globals['_FRAME']._serialized_end=537
+  _globals['_INFOREQUEST']._serialized_start=539
+  _globals['_INFOREQUEST']._serialized_end=552
+  _globals['_INFOREPLY']._serialized_start=555
+  _globals['_INFOREPLY']._serialized_end=744
+  _globals['_STAGEPROGRESS']._serialized_start=747
+  _globals['_STAGEPROGRESS']._serialized_end=888
+  _globals['_PROGRESSACK']._serialized_start=890
+  _globals['_PROGRESSACK']._serialized_end=918
+  _globals['_STAGE']._serialized_start=1094
+  _globals['_STAGE']._serialized_end=1312
 # @@protoc_insertion_point(module_scope)
