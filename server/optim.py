@@ -4,7 +4,7 @@ identical by stepping on identical averaged gradients (server/collab/)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"] * float(trust))
 
 
-def build_optimizer(name: str, params: list[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params: Sequence[torch.Tensor], lr: float, weight_decay: float) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "lamb":

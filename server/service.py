@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import NoReturn
 
 import grpc
 import torch
@@ -69,6 +70,12 @@ class StageSchema:
             _check_finite(other, "grad_outputs")
 
 
+async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with `code`: grpc's abort raises, so nothing after this runs."""
+    await context.abort(code, message)
+    raise AssertionError("unreachable: ServicerContext.abort raises")
+
+
 def _expect(ok: bool, message: str) -> None:
     if not ok:
         raise WireError(message)
@@ -122,7 +129,7 @@ class StageService:
         )
         ack = self.collab.on_progress(msg) if ok else None
         if ack is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
         return ack
 
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
@@ -140,7 +147,7 @@ class StageService:
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
         if self.paused is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.paused)
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, self.paused)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
@@ -156,9 +163,9 @@ class StageService:
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except DeadlineExpired:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
+            await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
         finally:
             self.active_calls -= 1
         for frame in reply:
@@ -188,6 +195,7 @@ class StageService:
             schema.check_backward(inputs, other)
             if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
                 result = self.worker.backward(inputs, labels=other)
+                assert result.loss is not None  # the last stage computes it
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
             else:
                 version = meta.forward_version if meta.HasField("forward_version") else None

@@ -223,8 +223,8 @@ class StageWorker:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad_norm)
             self.optimizer.step()
             self.schedule.step()
-            for p, g in zip(self.params, saved, strict=False):
-                p.grad = g
+            for p, saved_grad in zip(self.params, saved, strict=False):
+                p.grad = saved_grad
             self.param_version += 1
             if end_epoch:
                 self.epoch += 1

@@ -31,9 +31,9 @@ def add_config_args(
     for f in dataclasses.fields(cls):
         if not f.init or f.metadata.get("cli") is False:
             continue
-        typ = hints[f.name]
+        typ: Any = hints[f.name]
         if dataclasses.is_dataclass(typ):
-            add_config_args(parser, typ, suppress_defaults, prefix + _nested_prefix(f))
+            add_config_args(parser, typing.cast(type, typ), suppress_defaults, prefix + _nested_prefix(f))
             continue
         default = argparse.SUPPRESS if suppress_defaults else _default(f)
         kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
@@ -55,7 +55,7 @@ def add_config_args(
 
 def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
     hints, values, kwargs = typing.get_type_hints(cls), vars(args), {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a config dataclass
         if not f.init or f.metadata.get("cli") is False:
             continue
         if dataclasses.is_dataclass(hints[f.name]):

@@ -8,6 +8,7 @@ parameters are bitwise those of the stages a server builds, because every stage 
 from __future__ import annotations
 
 import math
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -101,14 +102,16 @@ class Stage(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        h_BTD = self.embed(inputs) if self.is_first else inputs
+        h_BTD = self.embed(inputs) if self.embed is not None else inputs
         for i in range(self.cfg.layers_per_stage):
             block = self.blocks[0 if self.cfg.share_layers else i]
             if self.cfg.checkpointing and torch.is_grad_enabled() and h_BTD.requires_grad:
                 h_BTD = checkpoint(block, h_BTD, use_reentrant=False)
             else:
                 h_BTD = block(h_BTD)
-        return self.head(self.norm_out(h_BTD)) if self.is_last else h_BTD
+        if self.head is not None and self.norm_out is not None:  # the last stage
+            return self.head(self.norm_out(h_BTD))
+        return h_BTD
 
     def loss(self, inputs: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; last stage only."""
@@ -127,6 +130,7 @@ class GPT(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         h = tokens_BT
-        for stage in self.stages[:-1]:
+        *body, last = self.stages
+        for stage in body:
             h = stage(h)
-        return self.stages[-1].loss(h, labels_BT)
+        return typing.cast(Stage, last).loss(h, labels_BT)

@@ -169,7 +169,7 @@ def test_server_view_is_the_swarm_as_of_the_boundary():
     """Records of peers that joined or moved after the period's boundary do not count yet, so peers reading a moment
     apart decide on the same swarm; a peer found under two stages counts where its freshest record is."""
     from dht.records import PeerEntry, ServerRecord
-    from server.stage_server import read_view
+    from server.rebalancer import read_view
 
     def entry(peer: str, stage: int, joined: float, expires: float, ready: bool = True) -> PeerEntry:
         record = ServerRecord(host="127.0.0.1", port=1, stage=stage, throughput=2.0, joined_at=joined, ready=ready)

@@ -74,6 +74,8 @@ class StageClient:
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         tensor = None
+        if expect_shape is not None and not reply.tensors:
+            raise WireError(f"stage {stage} replied without a tensor")
         if reply.tensors:
             (enc,) = reply.tensors.values()
             self.stats.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)

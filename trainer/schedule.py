@@ -22,12 +22,20 @@ async def train_microbatch(call: StageCall, n_stages: int, d_model: int, tokens:
     acts, versions = [tokens], []  # inputs of each stage (token ids, then hidden states); Forward's param versions
     for s in range(n_stages - 1):
         reply = await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD, None)
-        acts.append(reply.tensor)
+        acts.append(_tensor(reply))
         versions.append(reply.param_version)
     last = n_stages - 1
     reply = await call(last, "Backward", {"inputs": acts[-1], "labels": labels}, tuple(acts[-1].shape), None)
-    loss, grad = reply.loss, reply.tensor
-    for s in reversed(range(last)):
-        expect = None if s == 0 else tuple(acts[s].shape)  # stage 0's inputs are token ids: no gradient
-        grad = (await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, expect, versions[s])).tensor
+    loss, grad = reply.loss, _tensor(reply)
+    for s in reversed(range(1, last)):
+        reply = await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, tuple(acts[s].shape), versions[s])
+        grad = _tensor(reply)
+    if last > 0:  # stage 0's inputs are token ids: no gradient comes back
+        await call(0, "Backward", {"inputs": acts[0], "grad_outputs": grad}, None, versions[0])
     return loss
+
+
+def _tensor(reply: StageReply) -> torch.Tensor:
+    if reply.tensor is None:  # the client checks replies against the expected shape: a tensor is there
+        raise AssertionError("a stage reply without the tensor the schedule expects")
+    return reply.tensor

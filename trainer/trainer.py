@@ -73,9 +73,9 @@ class Trainer:
             stop.set()
             await asyncio.gather(*workers, return_exceptions=True)
             stopper.cancel()
-            for task in done:
-                if task is not stopper and task.exception():
-                    raise task.exception()
+            for task in done - {stopper}:
+                if (error := task.exception()) is not None:
+                    raise error
         finally:
             for task in background:
                 task.cancel()

@@ -12,6 +12,8 @@ class Collaboration(Protocol):
     """The stage's training semantics as the server drives them: `launch`, `join`, `start` before serving;
     `after_backward` after every backward (before its reply); `finish_epoch` and `stop` when leaving the stage."""
 
+    address: str  # host:port of this peer's stage service, once it is bound
+
     @property
     def epoch(self) -> int: ...
 
@@ -46,6 +48,7 @@ class LocalSteps:
 
     def __init__(self, worker: StageWorker, target: int):
         self.worker, self.target = worker, target
+        self.address = ""
 
     @property
     def epoch(self) -> int:

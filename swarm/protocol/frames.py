@@ -171,6 +171,7 @@ async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits) -> 
 
     def finish() -> None:
         if current is not None:
+            assert call is not None  # a tensor header is only accepted after the CallMeta
             if filled != current.payload_bytes:
                 raise WireError(
                     f"tensor {current.name!r}: got {filled} payload bytes, header says {current.payload_bytes}"

@@ -35,7 +35,7 @@ def encode_tensor(name: str, t: torch.Tensor, codec: Codec, ctx: CodecContext | 
     header = pb.TensorHeader(
         name=name,
         codec=codec.wire,  # type: ignore[arg-type]  # protobuf enums are ints at run time
-        dtype=DTYPE_TO_WIRE[t.dtype],  # type: ignore[arg-type]
+        dtype=DTYPE_TO_WIRE[t.dtype],
         shape=list(t.shape),
         payload_bytes=len(payload),
         codec_params=params,

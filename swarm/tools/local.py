@@ -115,22 +115,28 @@ class LocalConfig:
         )
 
     def trainer_config(self, index: int) -> TrainerConfig:
-        return TrainerConfig(
-            **LOCAL_TRAINER, batch_size=self.batch_size, in_flight=self.in_flight, codec=self.codec, data_seed=index
+        return dataclasses.replace(
+            local_trainer(), batch_size=self.batch_size, in_flight=self.in_flight, codec=self.codec, data_seed=index
         )
 
 
 # What differs on one machine's loopback from a swarm across the internet: peers announce and poll often (records,
 # progress and all-reduce groups form in fractions of a second here), and each process gets one torch thread because
 # a dozen of them share the cores.
-LOCAL_SERVER = dict(
-    host="127.0.0.1", announce_period=2.0, record_ttl=8.0, torch_threads=1, matchmaking_time=0.5, progress_period=0.2
-)
-LOCAL_TRAINER = dict(log_period=10.0)
-
-
 def local_server(stage: int | str) -> ServerConfig:
-    return ServerConfig(**LOCAL_SERVER, stage=str(stage))
+    return ServerConfig(
+        stage=str(stage),
+        host="127.0.0.1",
+        announce_period=2.0,
+        record_ttl=8.0,
+        torch_threads=1,
+        matchmaking_time=0.5,
+        progress_period=0.2,
+    )
+
+
+def local_trainer(stats_file: str | None = None) -> TrainerConfig:
+    return TrainerConfig(log_period=10.0, stats_file=stats_file)
 
 
 @dataclass
@@ -193,14 +199,14 @@ class LocalSwarm:
         return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
 
     def start_server(self, name: str, stage: int | str, extra: Sequence[str] = ()) -> Child:
-        """`extra` flags override the local defaults (`LOCAL_SERVER`): the last occurrence of a flag wins."""
+        """`extra` flags override the local defaults (`local_server`): the last occurrence of a flag wins."""
         return self.spawn(name, "server.main", [*to_argv(local_server(stage)), *self._common(), *extra])
 
     def start_trainer(self, name: str, extra: Sequence[str] = ()) -> Child:
         return self.spawn(name, "trainer.main", [*to_argv(self.local_trainer(name)), *self._common(), *extra])
 
     def local_trainer(self, name: str) -> TrainerConfig:
-        return TrainerConfig(**LOCAL_TRAINER, stats_file=str(self.log_dir / f"{name}.json"))
+        return local_trainer(str(self.log_dir / f"{name}.json"))
 
     def trainer_stats(self) -> list[dict]:
         out = []
