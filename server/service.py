@@ -6,6 +6,7 @@ against the stage's schema after decoding (this module), and a bad request ends 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -143,6 +144,13 @@ class StageService:
             throughput=w.throughput,
             model_config_json=json.dumps(dataclasses.asdict(self.schema.cfg)),
             samples_processed=w.samples_processed,
+            epoch=w.epoch,
+            state_digest=await asyncio.to_thread(w.digest) if request.with_digest else "",
+            requests_rejected=self.requests_rejected,
+            allreduce_bytes=self.collab.allreduce_bytes,
+            backwards_at_stashed_version=w.backwards_at_stashed_version,
+            backwards_past_stash=w.backwards_past_stash,
+            compression=self.collab.policy.describe(),
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):

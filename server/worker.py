@@ -229,6 +229,14 @@ class StageWorker:
             if end_epoch:
                 self.epoch += 1
 
+    def digest(self) -> str:
+        """Any thread. `state_digest` of the parameters and optimizer state, read under the state lock."""
+        with self.state_lock:
+            opt = self.optimizer.state_dict()["state"]
+            tensors = [p.detach() for p in self.params]
+            tensors += [v for i in sorted(opt) for _, v in sorted(opt[i].items()) if isinstance(v, torch.Tensor)]
+            return state_digest(tensors)
+
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
         with self.state_lock:

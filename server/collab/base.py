@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from server.worker import StageWorker
+from swarm.compression import CompressionPolicy
 from swarm.protocol import wire_pb2 as pb
 
 
@@ -13,6 +14,7 @@ class Collaboration(Protocol):
     `after_backward` after every backward (before its reply); `finish_epoch` and `stop` when leaving the stage."""
 
     address: str  # host:port of this peer's stage service, once it is bound
+    policy: CompressionPolicy  # what the stage's averaging uses
 
     @property
     def epoch(self) -> int: ...
@@ -49,6 +51,7 @@ class LocalSteps:
     def __init__(self, worker: StageWorker, target: int):
         self.worker, self.target = worker, target
         self.address = ""
+        self.policy = CompressionPolicy()
 
     @property
     def epoch(self) -> int:

@@ -78,11 +78,13 @@ class Frame(_message.Message):
     def __init__(self, meta: _Optional[_Union[CallMeta, _Mapping]] = ..., tensor: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_digest",)
+    WITH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    with_digest: bool
+    def __init__(self, with_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed")
+    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,13 @@ class InfoReply(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKWARDS_AT_STASHED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARDS_PAST_STASH_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     n_stages: int
@@ -99,7 +108,14 @@ class InfoReply(_message.Message):
     throughput: float
     model_config_json: str
     samples_processed: int
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ...) -> None: ...
+    epoch: int
+    state_digest: str
+    requests_rejected: int
+    allreduce_bytes: int
+    backwards_at_stashed_version: int
+    backwards_past_stash: int
+    compression: str
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
     __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address")
