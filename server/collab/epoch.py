@@ -129,9 +129,12 @@ class StageCollaboration:
     # --- the epoch protocol ----------------------------------------------------------------------------------------
 
     async def after_backward(self) -> None:
-        """Event loop, after every backward and before its reply: tell the stage, end the epoch if it is full."""
+        """Event loop, after every backward and before its reply: tell the stage our count (so that the epoch ends
+        exactly at the global batch), and end the epoch if it is full. The reply does not wait for the step: the
+        step is a control job that runs before any request still queued, and the all-reduces of consecutive stages
+        overlap instead of adding up along the backward pass."""
         await self._broadcast(end_epoch=False)
-        await self._maybe_end_epoch()
+        self._spawn(self._maybe_end_epoch())
 
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
         """A stage peer's count (validated by the service). Never blocks: the poller acts on it."""
@@ -146,11 +149,19 @@ class StageCollaboration:
             self.phase.value,
         )
         if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING:
-            task = asyncio.get_running_loop().create_task(self._end_epoch_once(int(msg.epoch)))
-            self._tasks.add(task)  # asyncio keeps only weak references to tasks
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         return pb.ProgressAck(epoch=self.epoch)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # asyncio keeps only weak references to tasks
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("ending the epoch failed: %r", task.exception())
 
     async def _broadcast(self, end_epoch: bool) -> None:
         await self.peers.broadcast(self.epoch, self.worker.samples_accumulated, end_epoch)
