@@ -42,6 +42,21 @@ class ServerConfig:
         default=False,
         metadata={"help": "average and step in the background while " "serving with the previous parameters (DPU)"},
     )
+    lookahead_samples: int = field(
+        default=0,
+        metadata={
+            "help": "stage 0: samples of the next global batch admitted into the pipeline before the current one has "
+            "stepped (0: every global batch computes its gradients at one set of parameters, as one process would; "
+            "more keeps the pipeline fuller at the cost of gradients one step stale)"
+        },
+    )
+    admission_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "stage 0: end an epoch whose admitted microbatches stopped coming back this long ago (a trainer "
+            "died with them in flight)"
+        },
+    )
     stash_versions: int = field(
         default=2,
         metadata={
@@ -96,6 +111,8 @@ class ServerConfig:
             raise ValueError("--samples-per-step and --max-batch-size must be >= 1")
         if self.record_ttl <= self.announce_period:
             raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
+        if self.lookahead_samples < 0 or self.admission_timeout <= 0:
+            raise ValueError("--lookahead-samples must be >= 0 and --admission-timeout > 0")
         if self.stash_versions < 0:
             raise ValueError(f"--stash-versions must be >= 0, got {self.stash_versions}")
         if self.slowdown < 1.0:

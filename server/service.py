@@ -16,7 +16,7 @@ from typing import NoReturn
 import grpc
 import torch
 
-from server.collab import Collaboration
+from server.collab import AdmissionRefused, Collaboration
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE
 from swarm.config import ModelConfig
@@ -165,13 +165,20 @@ class StageService:
             call = await read_call(
                 raw_frames, limits
             )  # raw frames: swarm.protocol.frames parses them, one payload copy
-            reply = await worker.submit(lambda: self._compute(call, backward), deadline, request=True)
+            tag = None
+            if self.schema.is_first and not backward and not call.meta.inference:
+                tag = await collab.admit(self._samples(call))  # the global batch this microbatch joins
+            elif call.meta.HasField("admitted_at"):
+                await collab.observe(call.meta.admitted_at)
+            reply = await worker.submit(lambda: self._compute(call, backward, tag), deadline, request=True)
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except AdmissionRefused as e:
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DeadlineExpired:
             await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
         finally:
@@ -179,7 +186,14 @@ class StageService:
         for frame in reply:
             yield frame
 
-    def _compute(self, call: Call, backward: bool) -> list[bytes]:
+    def _samples(self, call: Call) -> int:
+        """The batch size of a call's inputs, from its header (the payload is decoded and checked later)."""
+        _expect("inputs" in call.tensors, "missing tensor 'inputs'")
+        n = int(call.tensors["inputs"].header.shape[0])
+        _expect(1 <= n <= self.schema.max_batch, f"batch {n} outside [1, {self.schema.max_batch}]")
+        return n
+
+    def _compute(self, call: Call, backward: bool, tag: tuple[int, int] | None = None) -> list[bytes]:
         """Compute thread: decode, validate, run, encode. Raises WireError before touching the model on bad input."""
         meta, device, schema = call.meta, self.worker.device, self.schema
         _expect(meta.stage == schema.stage, f"this server serves stage {schema.stage}, the call is for {meta.stage}")
@@ -201,13 +215,18 @@ class StageService:
             _expect(other_name in call.tensors, f"missing tensor {other_name!r}")
             other = decode_tensor(call.tensors[other_name], device)
             schema.check_backward(inputs, other)
+            global_batch = meta.global_batch if meta.HasField("global_batch") else None
             if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
-                result = self.worker.backward(inputs, labels=other)
+                result = self.worker.backward(inputs, labels=other, global_batch=global_batch)
                 assert result.loss is not None  # the last stage computes it
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
             else:
                 version = meta.forward_version if meta.HasField("forward_version") else None
-                result = self.worker.backward(inputs, grad_outputs=other.float(), forward_version=version)
+                result = self.worker.backward(
+                    inputs, grad_outputs=other.float(), forward_version=version, global_batch=global_batch
+                )
             tensors = [] if result.grad_inputs is None else [encode_tensor("grad_inputs", result.grad_inputs, codec)]
         reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length
+        if tag is not None:  # stage 0 admitted this microbatch: its later calls carry where it belongs
+            reply_meta.global_batch, reply_meta.admitted_at = tag
         return list(iter_frames(reply_meta, tensors))

@@ -107,7 +107,9 @@ class StageWorker:
         self.param_version = 0  # optimizer steps taken
         self.epoch = 0  # global batches finished: param_version, plus one while a delayed step is pending
         self.samples_processed = 0
-        self.samples_accumulated = 0
+        self.samples_accumulated = 0  # towards the current epoch
+        self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
+        self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
         # the parameters of the last few versions (cfg.stash_versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
         self._stash: dict[int, list[torch.Tensor]] = {}
@@ -143,10 +145,13 @@ class StageWorker:
         grad_outputs: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         forward_version: int | None = None,
+        global_batch: int | None = None,
     ) -> BackwardResult:
-        """Compute thread only. Adds this microbatch's gradients to the epoch's. `forward_version`: the param_version
-        that served this microbatch's forward; the recomputed forward uses those parameters if they are stashed."""
+        """Compute thread only. Adds this microbatch's gradients to the epoch's, or to the next epoch's if it belongs
+        to a later `global_batch` (admitted early). `forward_version`: the param_version that served this microbatch's
+        forward; the recomputed forward uses those parameters if they are stashed."""
         n = inputs.shape[0]
+        early = global_batch is not None and global_batch > self.epoch
         stashed = None
         if forward_version is not None and forward_version != self.param_version:
             stashed = self._stash.get(forward_version)
@@ -154,12 +159,31 @@ class StageWorker:
                 self.backwards_past_stash += 1
             else:
                 self.backwards_at_stashed_version += 1
-        with self._timed("backward", n), self._parameters(stashed):
+        with self._timed("backward", n), self._parameters(stashed), self._next_epoch_gradients(early):
             result = stage_backward(self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n)
         self.samples_processed += n
-        self.samples_accumulated += n
+        if early:
+            self.samples_next += n
+        else:
+            self.samples_accumulated += n
         self.microbatches_processed += 1
         return result
+
+    @contextlib.contextmanager
+    def _next_epoch_gradients(self, active: bool) -> Iterator[None]:
+        """Compute thread. While active, `.grad` is the next epoch's accumulation."""
+        if not active:
+            yield
+            return
+        current = [p.grad for p in self.params]
+        for p, g in zip(self.params, self._next_grads, strict=True):
+            p.grad = g
+        try:
+            yield
+        finally:
+            self._next_grads = [p.grad for p in self.params]
+            for p, g in zip(self.params, current, strict=True):
+                p.grad = g
 
     @contextlib.contextmanager
     def _parameters(self, values: list[torch.Tensor] | None) -> Iterator[None]:
@@ -195,20 +219,28 @@ class StageWorker:
         `end_epoch`: the next backward counts towards the next epoch (delayed steps: the step comes later)."""
         n = self.samples_accumulated
         grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
-        for p in self.params:
-            p.grad = None
-        self.samples_accumulated = 0
+        for p, early in zip(self.params, self._next_grads, strict=True):
+            p.grad = early
+        self._next_grads = [None] * len(self.params)
+        self.samples_accumulated, self.samples_next = self.samples_next, 0
         if end_epoch:
             with self.state_lock:
                 self.epoch += 1
         return grads, n
 
+    def drop_gradients(self) -> None:
+        """Compute thread only. Forget every accumulated gradient, this epoch's and the next's."""
+        self.take_gradients()
+        self.take_gradients()
+
     @torch.no_grad()
     def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:
-        """Compute thread only. Undo `take_gradients` (nothing ran in between): the epoch goes on accumulating."""
+        """Compute thread only. Undo `take_gradients`: the epoch goes on accumulating. Gradients of the next epoch
+        that were moved in since stay in it (the epoch stays open for them too)."""
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.mul_(n) if n > 0 else None
-        self.samples_accumulated = n
+            if n > 0:
+                p.grad = g.mul_(n) if p.grad is None else p.grad.add_(g, alpha=n)
+        self.samples_accumulated += n
 
     @torch.no_grad()
     def apply_gradients(self, grads: list[torch.Tensor], end_epoch: bool = False) -> None:

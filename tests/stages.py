@@ -60,10 +60,13 @@ class InProcessStages:
 async def run_microbatch(stages: InProcessStages, client: StageClient, tokens: torch.Tensor, labels: torch.Tensor):
     """The trainer's schedule (trainer/schedule.py) through these servers, with no routing: returns the loss."""
 
-    async def call(stage, method, tensors, expect, forward_version):
-        return await client.call(stages.addresses[stage], method, stage, "m", tensors, expect, 120, forward_version)
+    async def call(stage, method, tensors, expect, forward_version, admission):
+        address = stages.addresses[stage]
+        return await client.call(
+            address, method, stage, "m", tensors, expect, 120, forward_version, admission=admission
+        )
 
-    return await train_microbatch(call, stages.cfg.n_stages, stages.cfg.d_model, tokens, labels)
+    return (await train_microbatch(call, stages.cfg.n_stages, stages.cfg.d_model, tokens, labels)).loss
 
 
 def random_batch(cfg: ModelConfig, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

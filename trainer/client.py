@@ -16,11 +16,21 @@ from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 from swarm.protocol.tensors import WireError, WireStats, decode_tensor, encode_tensor
 
 
+@dataclass(frozen=True)
+class Admission:
+    """Where stage 0 put a microbatch: its global batch, and stage 0's epoch at the time. Every later call of the
+    microbatch carries it."""
+
+    global_batch: int
+    admitted_at: int
+
+
 @dataclass
 class StageReply:
     tensor: torch.Tensor | None  # outputs (Forward) or grad_inputs (Backward; None from stage 0)
     loss: float | None
     param_version: int
+    admission: Admission | None = None  # stage 0's Forward reply
 
 
 REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATION_GRADIENTS}
@@ -52,9 +62,11 @@ class StageClient:
         expect_shape: tuple[int, ...] | None,
         timeout: float,
         forward_version: int | None = None,
+        inference: bool = False,
+        admission: Admission | None = None,
     ) -> StageReply:
         """`method` is "Forward" or "Backward"; a Backward names the `forward_version` that served its Forward (the
-        server recomputes the forward at it). Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
+        server recomputes the forward at it). `inference`: a Forward no Backward follows (evaluation). Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
         roles = {name: role_of(name, t.dtype) for name, t in tensors.items()}
         encoded = await loop.run_in_executor(
@@ -69,7 +81,10 @@ class StageClient:
             stage=stage,
             reply_codec=reply_codec,  # type: ignore[arg-type]  # protobuf enums are ints at run time
             forward_version=forward_version,
+            inference=inference,
         )
+        if admission is not None:
+            meta.global_batch, meta.admitted_at = admission.global_batch, admission.admitted_at
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
@@ -85,7 +100,10 @@ class StageClient:
             if tensor.numel() and not bool(torch.isfinite(tensor.amax()) & torch.isfinite(tensor.amin())):
                 raise WireError(f"stage {stage} replied with NaN or inf")
         loss = reply.meta.loss if reply.meta.has_loss else None
-        return StageReply(tensor=tensor, loss=loss, param_version=reply.meta.param_version)
+        admitted = None
+        if reply.meta.HasField("global_batch") and reply.meta.HasField("admitted_at"):
+            admitted = Admission(reply.meta.global_batch, reply.meta.admitted_at)
+        return StageReply(tensor=tensor, loss=loss, param_version=reply.meta.param_version, admission=admitted)
 
     async def close(self) -> None:
         for channel in self.channels.values():

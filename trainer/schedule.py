@@ -5,34 +5,54 @@ last stage, backward in reverse. Each stage call returns a `StageReply`."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 
-from trainer.client import StageReply
+from trainer.client import Admission, StageReply
 
 # (stage, "Forward" | "Backward", tensors by name, expected shape of the reply's tensor or None, the param_version that
-# served the stage's Forward of this microbatch (Backward only, else None)) -> reply
-StageCall = Callable[[int, str, dict[str, torch.Tensor], tuple[int, ...] | None, int | None], Awaitable[StageReply]]
+# served the stage's Forward of this microbatch (Backward only, else None), where stage 0 admitted the microbatch
+# (None before it has)) -> reply
+StageCall = Callable[
+    [int, str, dict[str, torch.Tensor], tuple[int, ...] | None, int | None, Admission | None], Awaitable[StageReply]
+]
 
 
-async def train_microbatch(call: StageCall, n_stages: int, d_model: int, tokens: torch.Tensor, labels: torch.Tensor):
-    """Returns the last stage's loss (None if it sent none). Every stage accumulates this microbatch's gradients."""
+@dataclass
+class MicrobatchResult:
+    loss: float | None  # the last stage's (None if it sent none)
+    forward_versions: list[int]  # param_version of each stage that served this microbatch's forward (the last: its
+    # Backward, which runs the forward itself)
+    admission: Admission | None  # where stage 0 put it
+
+
+async def train_microbatch(
+    call: StageCall, n_stages: int, d_model: int, tokens: torch.Tensor, labels: torch.Tensor
+) -> MicrobatchResult:
+    """Forward and backward through every stage: each accumulates this microbatch's gradients."""
     B, T = tokens.shape
     hidden_BTD = (B, T, d_model)
     acts, versions = [tokens], []  # inputs of each stage (token ids, then hidden states); Forward's param versions
+    admission = None  # stage 0's Forward reply says which global batch the microbatch joins
     for s in range(n_stages - 1):
-        reply = await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD, None)
+        reply = await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD, None, admission)
         acts.append(_tensor(reply))
         versions.append(reply.param_version)
+        admission = admission or reply.admission
     last = n_stages - 1
-    reply = await call(last, "Backward", {"inputs": acts[-1], "labels": labels}, tuple(acts[-1].shape), None)
+    labelled = {"inputs": acts[-1], "labels": labels}
+    reply = await call(last, "Backward", labelled, tuple(acts[-1].shape), None, admission)
     loss, grad = reply.loss, _tensor(reply)
+    versions.append(reply.param_version)
     for s in reversed(range(1, last)):
-        reply = await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, tuple(acts[s].shape), versions[s])
-        grad = _tensor(reply)
+        shape = tuple(acts[s].shape)
+        grad = _tensor(
+            await call(s, "Backward", {"inputs": acts[s], "grad_outputs": grad}, shape, versions[s], admission)
+        )
     if last > 0:  # stage 0's inputs are token ids: no gradient comes back
-        await call(0, "Backward", {"inputs": acts[0], "grad_outputs": grad}, None, versions[0])
-    return loss
+        await call(0, "Backward", {"inputs": acts[0], "grad_outputs": grad}, None, versions[0], admission)
+    return MicrobatchResult(loss, versions, admission)
 
 
 def _tensor(reply: StageReply) -> torch.Tensor:

@@ -25,12 +25,13 @@ from dht.records import ServerRecord
 from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.protocol.tensors import WireError, WireStats
-from trainer.client import StageClient, StageReply
+from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.routing import StageRouter
-from trainer.schedule import train_microbatch
+from trainer.schedule import MicrobatchResult, train_microbatch
 
 logger = logging.getLogger("swarm.trainer")
+ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch
 LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
 INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
 
@@ -93,32 +94,38 @@ class Trainer:
     async def _work(self, stop: asyncio.Event) -> None:
         while not self._done(stop):
             tokens, labels = next(self.data)
-            mb_id = f"{self.sdht.peer_id[-8:]}-{next(self._ids)}"
+            index = next(self._ids)  # the position of this microbatch in the trainer's data stream
+            mb_id = f"{self.sdht.peer_id[-8:]}-{index}"
             try:
-                loss = await self.train_microbatch(mb_id, tokens, labels)
+                result = await self.train_microbatch(mb_id, tokens, labels)
             except MicrobatchLost as e:
                 self.lost += 1
                 logger.error("microbatch %s lost: %s", mb_id, e)
                 continue
+            loss = result.loss
+            assert loss is not None  # train_microbatch checks it
             self.steps += 1
             self.samples += tokens.shape[0]
             self.losses.append(loss)
             if self._loss_log is not None:
-                record = {"step": self.steps, "t": round(time.monotonic() - self.started, 3), "batch": tokens.shape[0]}
-                record["loss"] = loss
-                self._loss_log.write(json.dumps({**record, "versions": self.versions}) + "\n")
+                elapsed = round(time.monotonic() - self.started, 3)
+                global_batch = result.admission.global_batch if result.admission else None
+                record = dict(step=self.steps, index=index, t=elapsed, batch=tokens.shape[0], loss=loss)
+                self._loss_log.write(
+                    json.dumps({**record, "versions": result.forward_versions, "global_batch": global_batch}) + "\n"
+                )
                 self._loss_log.flush()
             self.recent.append(loss)
         stop.set()
 
-    async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        async def call(stage, method, tensors, expect_shape, forward_version):
-            return await self._call(stage, method, mb_id, tensors, expect_shape, forward_version)
+    async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> MicrobatchResult:
+        async def call(stage, method, tensors, expect_shape, forward_version, admission):
+            return await self._call(stage, method, mb_id, tensors, expect_shape, forward_version, admission)
 
-        loss = await train_microbatch(call, self.n_stages, self.model_cfg.d_model, tokens, labels)
-        if loss is None or not math.isfinite(loss):
-            raise MicrobatchLost(f"last stage returned loss {loss}")
-        return loss
+        result = await train_microbatch(call, self.n_stages, self.model_cfg.d_model, tokens, labels)
+        if result.loss is None or not math.isfinite(result.loss):
+            raise MicrobatchLost(f"last stage returned loss {result.loss}")
+        return result
 
     async def _call(
         self,
@@ -128,13 +135,21 @@ class Trainer:
         tensors: dict[str, torch.Tensor],
         expect_shape: tuple[int, ...] | None,
         forward_version: int | None = None,
+        admission: Admission | None = None,
     ) -> StageReply:
         router, tried, last_error, attempts = self.routers[stage], set[str](), None, 0
+        refused: set[str] = set()  # stage 0 peers whose share of the global batch was full
+        give_up = time.monotonic() + self.cfg.request_timeout  # bounds how long refusals may go on
         n = next(iter(tensors.values())).shape[0]
         waiting = False
         while attempts < self.cfg.max_retries:
             peer_id = router.choose(n, exclude=tried)
             if peer_id is None and router.available:
+                if refused:  # every peer's share is full, or the counts were on their way: ask again shortly
+                    if time.monotonic() > give_up:
+                        raise MicrobatchLost(f"stage {stage} refused {method} for {self.cfg.request_timeout:.0f}s")
+                    await asyncio.sleep(ADMISSION_RETRY_S)
+                    refused.clear()
                 tried.clear()  # every live peer failed once: try them again (attempts still bound the total)
                 continue
             if peer_id is None:  # waiting for a peer costs no attempt: the stage may be refilled
@@ -164,8 +179,15 @@ class Trainer:
                     expect_shape,
                     self.cfg.request_timeout,
                     forward_version,
+                    admission=admission,
                 )
             except (TimeoutError, grpc.aio.AioRpcError, WireError) as e:
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # stage 0's admission: this peer's share of the global batch is full and another peer's is not;
+                    # not a failure of the peer: no ban, no attempt
+                    refused.add(peer_id)
+                    tried.add(peer_id)
+                    continue
                 timed_out = isinstance(e, asyncio.TimeoutError) or (
                     isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 )

@@ -99,11 +99,16 @@ class GradientAveraging:
             return None
         numel = sum(g.numel() for g in grads)
         self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        if not all(bool(torch.isfinite(a).all()) for a in averaged):
+            # a group whose weights sum to 0 (nobody had samples) averages 0/0; anything else non-finite is garbage
+            logger.warning("%s: the all-reduce returned non-finite values: treated as a failed round", label)
+            return None
         logger.info(
             "%s: averaged %d samples with %d peers in %.2fs", label, n_samples, len(result), time.monotonic() - started
         )
-        with self.averager.get_tensors() as buffers:
-            return [b.clone() for b in buffers]
+        return averaged
 
 
 class ParameterAveraging:

@@ -38,6 +38,15 @@ class Collaboration(Protocol):
 
     async def after_backward(self) -> None: ...
 
+    async def admit(self, n: int) -> tuple[int, int]:
+        """Stage 0, before a Forward of `n` samples that a Backward will follow: wait for room in a global batch.
+        Returns (the global batch it joins, the epoch now)."""
+        ...
+
+    async def observe(self, admitted_at: int) -> None:
+        """Before any call of a microbatch that stage 0 admitted at its epoch `admitted_at`."""
+        ...
+
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         """A stage peer's progress; None if this collaboration has no stage peers."""
         ...
@@ -78,6 +87,12 @@ class LocalSteps:
 
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         return None
+
+    async def admit(self, n: int) -> tuple[int, int]:
+        return self.epoch, self.epoch  # one peer, stepping when it has the global batch: nothing to coordinate
+
+    async def observe(self, admitted_at: int) -> None:
+        pass
 
     def _step(self) -> None:
         grads, _ = self.worker.take_gradients()

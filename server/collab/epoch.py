@@ -6,6 +6,16 @@ trains one model per stage rather than one per peer. The peer whose count comple
 join the all-reduce; peers that received nothing this epoch take part with weight 0. A failed round, a peer that fell
 behind, and a joiner are handled by recovery.py.
 
+Stage 0 decides which global batch a microbatch belongs to when it admits its Forward: it admits `--samples-per-step`
+samples per epoch, plus at most `--lookahead-samples` of the next epoch, and holds further Forwards until the epoch
+has stepped. Its peers split that quota: each admits up to an equal share, and claims a share for every other peer
+that admits work, unless that peer's messages say it admitted more (a peer that trainers stopped sending Forwards to
+stops claiming after an epoch). So simultaneous admissions on several peers never overfill an epoch. A Forward that
+finds its peer's share full while the epoch is not is refused (AdmissionRefused): the trainer takes it to another
+peer of stage 0 at once. With no lookahead, every sample of a global batch is
+computed at one set of parameters on every stage, as in one process: the pipeline drains at each step. Admission is
+the only place where the number of trainers and of their microbatches in flight meets the global batch.
+
 Synchronous mode averages and steps on the compute thread: requests queue (the event loop, Info and health stay live)
 for the few hundred milliseconds of an all-reduce. `--delay-optimizer-step` instead averages in the background while
 the stage keeps computing with the previous parameters (delayed parameter updates), and applies the step when ready.
@@ -37,6 +47,10 @@ from swarm.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 
+class AdmissionRefused(Exception):
+    """This peer's share of the global batch is full, others' are not: the microbatch belongs on another peer."""
+
+
 class Phase(enum.Enum):
     """What the collaboration is doing. The event loop is the only writer."""
 
@@ -61,6 +75,9 @@ class StageCollaboration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, cfg, stage, self._pool)
         self._kick = asyncio.Event()
+        self._admitted: dict[int, int] = {}  # stage 0: epoch -> samples we admitted towards it
+        self._admission = asyncio.Event()  # set when an admission may have become possible
+        self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
@@ -151,6 +168,7 @@ class StageCollaboration:
         if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING:
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
+        self._admission.set()
         return pb.ProgressAck(epoch=self.epoch)
 
     def _spawn(self, coroutine) -> None:
@@ -164,7 +182,60 @@ class StageCollaboration:
             logger.warning("ending the epoch failed: %r", task.exception())
 
     async def _broadcast(self, end_epoch: bool) -> None:
-        await self.peers.broadcast(self.epoch, self.worker.samples_accumulated, end_epoch)
+        epoch = self.epoch
+        admitted = (self._admitted.get(epoch, 0), self._admitted.get(epoch + 1, 0))
+        await self.peers.broadcast(epoch, self.worker.samples_accumulated, end_epoch, admitted)
+
+    def _full(self, epoch: int, limit: int) -> bool:
+        """Every peer's admissions towards `epoch`, as far as we know them, fill its global batch."""
+        others = sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers)
+        return self._admitted.get(epoch, 0) + others >= limit
+
+    def _has_room(self, epoch: int, limit: int) -> bool:
+        """Whether we may admit a microbatch towards `epoch`, whose global batch admits `limit` samples."""
+        claimants = self.peers.admitting(epoch)
+        share = limit / (1 + len(claimants))
+        claimed = sum(max(self.peers.admitted_by(p, epoch), share) for p in claimants)
+        return self._admitted.get(epoch, 0) + claimed < limit
+
+    async def admit(self, n: int) -> tuple[int, int]:
+        """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait until a global batch
+        has room (see the module docstring). Returns (the global batch it joins, our epoch now)."""
+        quota, lookahead = self.cfg.samples_per_step, self.cfg.lookahead_samples
+        while True:
+            epoch = self.epoch
+            if self._has_room(epoch, quota):
+                break
+            epoch += 1
+            if self._has_room(epoch, lookahead):
+                break
+            if not (self._full(epoch - 1, quota) and self._full(epoch, lookahead)):
+                raise AdmissionRefused(
+                    f"stage 0 admits its share of global batch {epoch - 1} on each of its peers; this peer's share is "
+                    f"full and another peer's is not"
+                )
+            self._admission.clear()
+            try:
+                await asyncio.wait_for(self._admission.wait(), self.cfg.progress_period)
+            except TimeoutError:
+                pass
+        admitted_at = self.epoch
+        self._admitted[epoch] = self._admitted.get(epoch, 0) + n
+        for old in [e for e in self._admitted if e < self.epoch]:
+            del self._admitted[old]
+        if self.peers.peers:  # the other peers of stage 0 count our admissions
+            self._spawn(self._broadcast(end_epoch=False))
+        return epoch, admitted_at
+
+    async def observe(self, admitted_at: int) -> None:
+        """Event loop, before a call of a microbatch that stage 0 admitted at its epoch `admitted_at`: stage 0 had then
+        finished every epoch before it, so every microbatch of ours before it has passed us too. If we are still in
+        such an epoch, end it now (before the call runs: the step is a control job and goes first)."""
+        if admitted_at > self.epoch and self.phase is Phase.ACCUMULATING:
+            logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, self.epoch)
+            await self._broadcast(end_epoch=True)
+            self._spawn(self._end_epoch_once(self.epoch))
+            await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
 
     async def _poll_forever(self) -> None:
         last_refresh = 0.0
@@ -198,6 +269,31 @@ class StageCollaboration:
         elif self.worker.samples_accumulated + self.peers.samples_in(mine) >= self.cfg.samples_per_step:
             await self._broadcast(end_epoch=True)
             await self._end_epoch_once(mine)
+        elif self._lost_microbatches(mine):
+            await self._broadcast(end_epoch=True)
+            await self._end_epoch_once(mine)
+
+    def _lost_microbatches(self, epoch: int) -> bool:
+        """Stage 0: the epoch's global batch is admitted, but its backwards stopped arriving --admission-timeout ago
+        (a trainer died with microbatches in flight). Ending the epoch without them lets admission go on."""
+        if self.stage != 0:
+            return False
+        done = self.worker.samples_accumulated + self.peers.samples_in(epoch)
+        admitted = self._admitted.get(epoch, 0) + sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers)
+        now = time.monotonic()
+        if admitted < self.cfg.samples_per_step or done != self._stalled_at[1] or epoch != self._stalled_at[0]:
+            self._stalled_at = (epoch, done, now)
+            return False
+        if now - self._stalled_at[2] < self.cfg.admission_timeout:
+            return False
+        logger.warning(
+            "stage 0 epoch %d: %d of its %d admitted samples came back in %.0fs; ending the epoch without the rest",
+            epoch,
+            done,
+            admitted,
+            self.cfg.admission_timeout,
+        )
+        return True
 
     async def _end_epoch_once(self, epoch: int) -> None:
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
@@ -217,10 +313,12 @@ class StageCollaboration:
                 )
                 if averaged is None:
                     averaged, self.diverged = grads, True
-                await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
+                if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
+                    await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
+            self._admission.set()
         self.averaging.state.state_sharing_priority = self.worker.param_version
         await self._broadcast(end_epoch=False)
 
@@ -278,3 +376,4 @@ class StageCollaboration:
         finally:
             if self.phase is Phase.RECOVERING:
                 self.phase = Phase.ACCUMULATING
+            self._admission.set()

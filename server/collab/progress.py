@@ -29,14 +29,20 @@ class StagePeers:
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
         self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
+        self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
+        self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def record(self, msg: pb.StageProgress) -> None:
         """A stage peer's count (validated by the service)."""
         self.view[msg.peer_id] = (int(msg.epoch), int(msg.samples))
+        self._first_epoch.setdefault(msg.peer_id, int(msg.epoch))
         counts = self._counts.setdefault(int(msg.epoch), {})
         counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
+        for epoch, admitted in ((msg.epoch, msg.admitted), (msg.epoch + 1, msg.admitted_next)):
+            known = self._admitted.setdefault(int(epoch), {})
+            known[msg.peer_id] = max(known.get(msg.peer_id, 0), int(admitted))
         if msg.address:
             self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
 
@@ -51,7 +57,7 @@ class StagePeers:
         self.peers = {**missed, **listed}
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
 
-    async def broadcast(self, epoch: int, samples: int, end_epoch: bool) -> None:
+    async def broadcast(self, epoch: int, samples: int, end_epoch: bool, admitted: tuple[int, int] = (0, 0)) -> None:
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -60,6 +66,8 @@ class StagePeers:
             samples=samples,
             end_epoch=end_epoch,
             address=self.address,
+            admitted=admitted[0],
+            admitted_next=admitted[1],
         )
         await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
@@ -101,6 +109,21 @@ class StagePeers:
         live = set(self.peers)
         return {p: n for p, n in dict(self._counts.get(epoch, {})).items() if p in live}
 
+    def admitted_by(self, peer_id: str, epoch: int) -> int:
+        """Samples `peer_id` admitted towards `epoch` (stage 0), as far as its messages told."""
+        return self._admitted.get(epoch, {}).get(peer_id, 0)
+
+    def admitting(self, epoch: int) -> list[str]:
+        """Live peers that admit Forwards (stage 0): those that did towards `epoch` or the one before, and those we
+        have known for less than an epoch. A peer that trainers stopped sending work to drops out after an epoch."""
+        return [
+            p
+            for p in self.peers
+            if self.admitted_by(p, epoch)
+            or self.admitted_by(p, epoch - 1)
+            or self._first_epoch.get(p, epoch) >= epoch - 1
+        ]
+
     def epochs_of(self) -> dict[str, int]:
         return {p: e for p, (e, _) in dict(self.view).items()}
 
@@ -108,6 +131,8 @@ class StagePeers:
         """Event loop: counts of epochs before `epoch` are no longer needed."""
         for old in [e for e in self._counts if e < epoch]:
             del self._counts[old]
+        for old in [e for e in self._admitted if e < epoch]:
+            del self._admitted[old]
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -104,8 +104,8 @@ class Recovery:
         return False
 
     def load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        """Compute thread: replaces parameters, optimizer state and epoch; drops gradients of the old epoch."""
-        self.worker.take_gradients()
+        """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs."""
+        self.worker.drop_gradients()
         self.worker.load_state(meta, tensors)
         logger.info(
             "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
@@ -126,6 +126,9 @@ class Recovery:
         counts[me] = n_samples
         ahead = self.peers.ahead_of(epoch)
         reference = ahead[0] if ahead else min(counts, key=lambda p: (-counts[p], p))
+        if not ahead and counts[reference] == 0:  # nobody has samples this epoch: nothing to step on
+            self.worker.return_gradients(grads, n_samples)
+            return None
         if reference == me:
             logger.warning(
                 "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",

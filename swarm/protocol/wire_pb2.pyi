@@ -46,7 +46,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., codec_params: _Optional[bytes] = ...) -> None: ...
 
 class CallMeta(_message.Message):
-    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version")
+    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version", "inference", "global_batch", "admitted_at")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,9 @@ class CallMeta(_message.Message):
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     microbatch_id: str
     stage: int
@@ -65,7 +68,10 @@ class CallMeta(_message.Message):
     has_loss: bool
     queue_length: int
     forward_version: int
-    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ...) -> None: ...
+    inference: bool
+    global_batch: int
+    admitted_at: int
+    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ..., inference: _Optional[bool] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("meta", "tensor", "data")
@@ -118,7 +124,7 @@ class InfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +132,8 @@ class StageProgress(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     END_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_NEXT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -133,7 +141,9 @@ class StageProgress(_message.Message):
     samples: int
     end_epoch: bool
     address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ...) -> None: ...
+    admitted: int
+    admitted_next: int
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ("epoch",)
