@@ -68,6 +68,10 @@ class LocalConfig:
         default=True,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
     )
+    lookahead_samples: int = field(
+        default=ServerConfig.lookahead_samples,
+        metadata={"help": "stage 0 admits this many samples of the next global batch early (see swarm-server)"},
+    )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
     rebalance_period_s: float = field(
@@ -110,6 +114,7 @@ class LocalConfig:
             lr=self.lr,
             allreduce_codec=self.allreduce_codec,
             delay_optimizer_step=self.delay_optimizer_step,
+            lookahead_samples=self.lookahead_samples,
             slowdown=self.slowdown,
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
         )

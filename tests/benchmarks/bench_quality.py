@@ -37,13 +37,15 @@ CLIP, WEIGHT_DECAY = 1.0, 0.01  # swarm-server's defaults
 
 
 def configurations() -> dict[str, LocalConfig]:
-    """swarm-local's defaults, each switched off in turn, and the diagnostic baseline (one microbatch in flight)."""
+    """swarm-local's defaults, each switched off or turned in turn, and the diagnostic baseline (one microbatch in
+    flight, nothing compressed or delayed)."""
     d = LocalConfig()
     return {
         "defaults": d,
         "exact (1 trainer, 1 in flight, sync, no compression)": dataclasses.replace(
             d, trainers=1, in_flight=1, delay_optimizer_step=False, codec="none", allreduce_codec="none"
         ),
+        "delayed updates": dataclasses.replace(d, delay_optimizer_step=True),
         "no delayed updates": dataclasses.replace(d, delay_optimizer_step=False),
         "wire codec none": dataclasses.replace(d, codec="none"),
         "all-reduce codec none": dataclasses.replace(d, allreduce_codec="none"),
@@ -51,6 +53,9 @@ def configurations() -> dict[str, LocalConfig]:
         "1 in flight per trainer": dataclasses.replace(d, in_flight=1),
         "1 trainer": dataclasses.replace(d, trainers=1),
         "1 peer per stage": dataclasses.replace(d, servers_per_stage="1"),
+        "lookahead 8": dataclasses.replace(d, lookahead_samples=8),
+        "lookahead 16": dataclasses.replace(d, lookahead_samples=16),
+        "lookahead 32": dataclasses.replace(d, lookahead_samples=32),
     }
 
 
