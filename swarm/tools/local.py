@@ -65,7 +65,7 @@ class LocalConfig:
         metadata={"help": "codec of the stages' gradient all-reduce", "choices": sorted(CODECS)},
     )
     delay_optimizer_step: bool = field(
-        default=True,
+        default=ServerConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
     )
     lookahead_samples: int = field(

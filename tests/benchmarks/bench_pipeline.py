@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from swarm.cli import to_argv
 from swarm.config import ModelConfig, model_config
 from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
@@ -175,18 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
                         swarm,
                         name,
                         [
-                            "--swarm-name",
-                            f"pipe-{layout}",
+                            *to_argv(swarmrun.trainer_config(f"pipe-{layout}", args, codec, corpus)),
                             *model_flags,
                             "--share-layers" if layout == "shared" else "--no-share-layers",
-                            "--batch-size",
-                            str(args.batch_size),
-                            "--in-flight",
-                            str(args.in_flight),
-                            "--codec",
-                            codec,
-                            "--data",
-                            corpus,
                         ],
                         window=window,
                         warmup_steps=args.in_flight,

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from swarm.cli import to_argv
 from swarm.config import model_config
 from swarm.model import Stage
 from swarm.pipeline import stage_backward, stage_forward
@@ -149,21 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             trainer = swarmrun.TrainerHandle(
                 swarm,
                 f"trainer-{codec}",
-                [
-                    "--swarm-name",
-                    "wan",
-                    *model_flags,
-                    "--batch-size",
-                    str(args.batch_size),
-                    "--in-flight",
-                    str(args.in_flight),
-                    "--codec",
-                    codec,
-                    "--data",
-                    corpus,
-                    "--request-timeout",
-                    "120",
-                ],
+                [*to_argv(swarmrun.trainer_config("wan", args, codec, corpus, request_timeout=120.0)), *model_flags],
             )
             try:
                 trainer.snapshot(min_steps=args.in_flight)

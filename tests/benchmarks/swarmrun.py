@@ -16,6 +16,7 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, sync_channel
 from swarm.tools.local import LocalSwarm
 from tests.benchmarks import common
+from trainer.config import TrainerConfig
 
 
 def info(address: str, timeout: float = 2.0) -> pb.InfoReply:
@@ -180,6 +181,13 @@ def measure_trainer(
         )
     finally:
         trainer.stop()
+
+
+def trainer_config(swarm_name: str, args, codec: str, corpus: str, **more) -> TrainerConfig:
+    """A benchmark's trainer: the benchmark's --batch-size and --in-flight, a codec, a corpus file."""
+    return TrainerConfig(
+        swarm_name=swarm_name, batch_size=args.batch_size, in_flight=args.in_flight, codec=codec, data=corpus, **more
+    )
 
 
 def server_args(port: int, swarm_name: str, extra: list[str] = ()) -> list[str]:
