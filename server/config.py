@@ -65,8 +65,12 @@ class ServerConfig:
         },
     )
     param_average_every: int = field(
-        default=5,
-        metadata={"help": "average the peers' parameters every N epochs " "(bounds rounding drift; 0: never)"},
+        default=0,
+        metadata={
+            "help": "also average the peers' parameters every N epochs (0: never). The all-reduce hands every peer "
+            "the same average, so peers on the same kind of device stay bitwise equal; peers whose optimizers round "
+            "differently (CPU and GPU in one stage) drift apart without it"
+        },
     )
     matchmaking_time: float = field(default=1.0, metadata={"help": "seconds peers gather before an all-reduce"})
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})

@@ -112,9 +112,9 @@ class GradientAveraging:
 
 
 class ParameterAveraging:
-    """A plain mean of the peers' parameters (weight 1 each). hivemind's all-reduce hands each peer
-    local + (average - local): equal only up to rounding, which Adam can amplify where the averaged gradient is near
-    zero; averaging the parameters every few epochs pulls peers back together. Compute thread."""
+    """A plain mean of the peers' parameters (weight 1 each), every --param-average-every epochs: pulls together peers
+    whose optimizers round differently (devices of different kinds), which identical averaged gradients alone do not
+    keep equal. Compute thread."""
 
     def __init__(self, averager: DecentralizedAverager, cfg: ServerConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
