@@ -1,17 +1,20 @@
-"""Server configuration; `swarm-server`'s flags are generated from it."""
+"""Server configuration in sections, one per component; `swarm-server`'s flags are generated from it (a section's
+flags keep their plain names: `--lr`, not `--optimizer-lr`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarm.compression import CODECS
 from swarm.rebalance import RebalanceConfig
+
+SECTION = {"prefix": ""}  # a section's flags are not prefixed with its name
 
 
 @dataclass(kw_only=True)
-class ServerConfig:
-    stage: str = field(
-        default="0", metadata={"help": "stage index to serve, or 'auto': the stage that most needs capacity"}
-    )
+class NetworkConfig:
+    """Where the peer listens, how it is found, and how often it tells."""
+
     swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
     initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
     host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address (0.0.0.0 for a real swarm)"})
@@ -21,26 +24,69 @@ class ServerConfig:
         default=None, metadata={"help": "port trainers dial (default: the bound --port); e.g. a proxy in front"}
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this server's DHT node"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
-    samples_per_step: int = field(
-        default=32,
-        metadata={
-            "help": "global batch: samples the whole stage accumulates " "before its peers average gradients and step"
-        },
-    )
+    announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
+    record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
+    peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
+    drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
+
+    def __post_init__(self) -> None:
+        if self.record_ttl <= self.announce_period:
+            raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The stage's optimizer; identical on every peer of a stage."""
+
     optimizer: str = field(default="adamw", metadata={"help": "stage optimizer", "choices": ["adamw", "lamb"]})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
     weight_decay: float = field(default=0.01, metadata={"help": "decoupled weight decay"})
     warmup_steps: int = field(default=0, metadata={"help": "linear learning-rate warm-up, in optimizer steps"})
     total_steps: int = field(default=0, metadata={"help": "cosine decay to 10%% over this many steps (0: constant)"})
     clip_grad_norm: float = field(default=1.0, metadata={"help": "max gradient norm (0: no clipping)"})
-    allreduce_codec: str = field(
-        default="blockwise8",
-        metadata={"help": "codec of the stage's gradient all-reduce", "choices": ["none", "fp16", "blockwise8"]},
+
+
+@dataclass(kw_only=True)
+class ComputeConfig:
+    """The stage's compute thread."""
+
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads (0: torch's default)"})
+    max_batch_size: int = field(default=64, metadata={"help": "largest microbatch accepted, in samples"})
+    stash_versions: int = field(
+        default=2,
+        metadata={
+            "help": "parameter versions kept so that a backward recomputes its forward at the parameters that served "
+            "it, not at ones stepped since (0: always the current ones)"
+        },
     )
-    delay_optimizer_step: bool = field(
-        default=False,
-        metadata={"help": "average and step in the background while " "serving with the previous parameters (DPU)"},
+    slowdown: float = field(
+        default=1.0,
+        metadata={
+            "help": "testing/benchmarks: emulate a device N times slower: each forward/backward lasts N x the least "
+            "time this server has taken for the same work (its uncontended cost, unlike the current time, which "
+            "grows with CPU contention), sleeping the rest so the CPU stays free for other processes"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("--max-batch-size must be >= 1")
+        if self.stash_versions < 0:
+            raise ValueError(f"--stash-versions must be >= 0, got {self.stash_versions}")
+        if self.slowdown < 1.0:
+            raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
+
+
+@dataclass(kw_only=True)
+class EpochConfig:
+    """When a stage steps: the global batch, stage 0's admission, delayed updates."""
+
+    samples_per_step: int = field(
+        default=32,
+        metadata={
+            "help": "global batch: samples the whole stage accumulates before its peers average gradients and step"
+        },
     )
     lookahead_samples: int = field(
         default=0,
@@ -57,12 +103,27 @@ class ServerConfig:
             "died with them in flight)"
         },
     )
-    stash_versions: int = field(
-        default=2,
-        metadata={
-            "help": "parameter versions kept so that a backward recomputes its forward at the parameters that served "
-            "it, not at ones stepped since (0: always the current ones)"
-        },
+    delay_optimizer_step: bool = field(
+        default=False,
+        metadata={"help": "average and step in the background while serving with the previous parameters (DPU)"},
+    )
+    progress_period: float = field(default=0.5, metadata={"help": "seconds between checks of the stage's progress"})
+    solo: bool = field(default=False, metadata={"help": "step alone, never average (debugging)"})
+
+    def __post_init__(self) -> None:
+        if self.samples_per_step < 1:
+            raise ValueError("--samples-per-step must be >= 1")
+        if self.lookahead_samples < 0 or self.admission_timeout <= 0:
+            raise ValueError("--lookahead-samples must be >= 0 and --admission-timeout > 0")
+
+
+@dataclass(kw_only=True)
+class AveragingConfig:
+    """How the peers of a stage average."""
+
+    allreduce_codec: str = field(
+        default="blockwise8",
+        metadata={"help": "codec of the stage's gradient all-reduce", "choices": sorted(CODECS)},
     )
     param_average_every: int = field(
         default=0,
@@ -74,28 +135,28 @@ class ServerConfig:
     )
     matchmaking_time: float = field(default=1.0, metadata={"help": "seconds peers gather before an all-reduce"})
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
-    progress_period: float = field(default=0.5, metadata={"help": "seconds between checks of the stage's progress"})
-    peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
     checkpoint_dir: str | None = field(
         default=None,
-        metadata={
-            "help": "save the stage here periodically and on exit; " "resume from it when the stage has no peers"
-        },
+        metadata={"help": "save the stage here periodically and on exit; resume from it when the stage has no peers"},
     )
     checkpoint_period: float = field(default=300.0, metadata={"help": "seconds between checkpoints"})
-    solo: bool = field(default=False, metadata={"help": "step alone, never average (debugging)"})
-    max_batch_size: int = field(default=64, metadata={"help": "largest microbatch accepted, in samples"})
-    announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
-    record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
-    drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
-    slowdown: float = field(
-        default=1.0,
-        metadata={
-            "help": "testing/benchmarks: emulate a device N times slower: each forward/backward lasts N x the least "
-            "time this server has taken for the same work (its uncontended cost, unlike the current time, which "
-            "grows with CPU contention), sleeping the rest so the CPU stays free for other processes"
-        },
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    stage: str = field(
+        default="0", metadata={"help": "stage index to serve, or 'auto': the stage that most needs capacity"}
     )
+    network: NetworkConfig = field(default_factory=NetworkConfig, metadata=SECTION)
+    compute: ComputeConfig = field(default_factory=ComputeConfig, metadata=SECTION)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=SECTION)
+    epochs: EpochConfig = field(default_factory=EpochConfig, metadata=SECTION)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig, metadata=SECTION)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata=SECTION)
     rebalance: bool = field(
         default=True, metadata={"help": "move to another stage when it needs this peer's capacity more (--rebalance-*)"}
     )
@@ -106,18 +167,7 @@ class ServerConfig:
             "help": "before moving: seconds to wait for the stage's current epoch, so this peer's gradients count"
         },
     )
-    torch_threads: int = field(default=0, metadata={"help": "torch intra-op threads (0: torch's default)"})
 
     def __post_init__(self) -> None:
         if self.stage != "auto" and not (self.stage.isdigit()):
             raise ValueError(f"--stage must be a non-negative integer or 'auto', got {self.stage!r}")
-        if self.samples_per_step < 1 or self.max_batch_size < 1:
-            raise ValueError("--samples-per-step and --max-batch-size must be >= 1")
-        if self.record_ttl <= self.announce_period:
-            raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
-        if self.lookahead_samples < 0 or self.admission_timeout <= 0:
-            raise ValueError("--lookahead-samples must be >= 0 and --admission-timeout > 0")
-        if self.stash_versions < 0:
-            raise ValueError(f"--stash-versions must be >= 0, got {self.stash_versions}")
-        if self.slowdown < 1.0:
-            raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")

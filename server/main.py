@@ -45,10 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.environ.get("SWARM_DEBUG"):
         logging.getLogger("server").setLevel(logging.DEBUG)
-    if cfg.torch_threads > 0:
-        torch.set_num_threads(cfg.torch_threads)
-    device = resolve_device(cfg.device)
-    sdht = SwarmDHT(start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port), cfg.swarm_name)
+    if cfg.compute.torch_threads > 0:
+        torch.set_num_threads(cfg.compute.torch_threads)
+    device = resolve_device(cfg.compute.device)
+    sdht = SwarmDHT(
+        start_dht(cfg.network.initial_peers, host=cfg.network.host, port=cfg.network.dht_port), cfg.network.swarm_name
+    )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))
     finally:

@@ -109,7 +109,7 @@ class Rebalancer:
             peers = "/".join(str(len(s.peers)) for s in view.stages)
             # a record can be missing only because its peer's last announce was late (a loaded machine, a slow DHT):
             # read once more an announce period later, and move only if the same records still call for it
-            if await sleep_unless(stop, server.cfg.announce_period):
+            if await sleep_unless(stop, server.cfg.network.announce_period):
                 return
             try:
                 confirmed = decide(await self.view(as_of=at), self.peer_id, at, rb)

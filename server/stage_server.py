@@ -118,8 +118,8 @@ class StageServer:
 
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(
-            host=self.cfg.announce_host or self.cfg.host,
-            port=self.cfg.announce_port or (self._endpoint.port if self._endpoint else 0),
+            host=self.cfg.network.announce_host or self.cfg.network.host,
+            port=self.cfg.network.announce_port or (self._endpoint.port if self._endpoint else 0),
             stage=self.stage if stage is None else stage,
             throughput=self.load.throughput,
             demand=self.load.demand,
@@ -131,7 +131,7 @@ class StageServer:
 
     async def announce(self, ready: bool = True, stage: int | None = None) -> None:
         try:
-            await self.sdht.announce(self.record(ready, stage), self.cfg.record_ttl)
+            await self.sdht.announce(self.record(ready, stage), self.cfg.network.record_ttl)
         except Exception as e:  # the DHT may be briefly unreachable; the next period retries
             logger.warning("announce failed: %r", e)
 
@@ -148,24 +148,28 @@ class StageServer:
         `prior_throughput`: our speed on the stage we came from; 0: measure it on a random microbatch now."""
         cfg = self.cfg
         module = await asyncio.to_thread(Stage, self.model_cfg, stage)
-        worker = StageWorker(module, cfg, self.device, prior_throughput)
+        worker = StageWorker(module, cfg.optimizer, cfg.compute, self.device, prior_throughput)
         if not prior_throughput:
-            await worker.submit(lambda: worker.calibrate(min(cfg.max_batch_size, 8)))
+            await worker.submit(lambda: worker.calibrate(min(cfg.compute.max_batch_size, 8)))
         collab: Collaboration = (
-            LocalSteps(worker, cfg.samples_per_step) if cfg.solo else StageCollaboration(worker, self.sdht, stage, cfg)
+            LocalSteps(worker, cfg.epochs.samples_per_step)
+            if cfg.epochs.solo
+            else StageCollaboration(worker, self.sdht, stage, cfg.epochs, cfg.averaging, cfg.network)
         )
-        self._active = ActiveStage(worker, collab, StageSchema(self.model_cfg, stage, cfg.max_batch_size))
+        self._active = ActiveStage(worker, collab, StageSchema(self.model_cfg, stage, cfg.compute.max_batch_size))
         await collab.launch()
         if self.state is not PeerState.MOVING:  # a move took the stage when it committed to it, before the boundary
             self.joined_at = get_dht_time()
         self._counted = (time.monotonic(), 0)
         self.take_snapshot()  # a move keeps announcing its pending record meanwhile (`announce_forever`)
         joined = await collab.join()
-        if not joined and cfg.checkpoint_dir:
-            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint_dir)
+        if not joined and cfg.checkpoint.checkpoint_dir:
+            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir)
         if self._endpoint is None:
             service = StageService(worker, self.active.schema, collab)
-            server, health_servicer, port = await start_stage_server(service.handler(), cfg.host, cfg.port)
+            server, health_servicer, port = await start_stage_server(
+                service.handler(), cfg.network.host, cfg.network.port
+            )
             self._endpoint = Endpoint(server, health_servicer, port, service)
         collab.address = self.record().address
         await collab.start()
@@ -191,7 +195,7 @@ class StageServer:
         worker, collab, service, cfg = self.worker, self.collab, self.service, self.cfg
         service.pause(reason)
         await self.endpoint.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + cfg.drain_timeout
+        deadline = time.monotonic() + cfg.network.drain_timeout
         while service.active_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         dropped = await collab.finish_epoch(cfg.migration_drain_s)
@@ -204,7 +208,7 @@ class StageServer:
                 dropped,
             )
         try:
-            await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.record_ttl), 3)
+            await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.network.record_ttl), 3)
         except Exception as e:
             logger.warning("could not withdraw the DHT record: %r", e)
         await collab.stop()
@@ -232,7 +236,7 @@ class StageServer:
     async def announce_forever(self, stop: asyncio.Event, rebalancing: bool) -> None:
         """Keep our DHT record fresh (while moving: the record that commits our capacity to the destination), and
         log the stage's state. With rebalancing, the rebalancer takes the load snapshots, once per period."""
-        while not await sleep_unless(stop, self.cfg.announce_period):
+        while not await sleep_unless(stop, self.cfg.network.announce_period):
             if self.state is PeerState.MOVING:
                 await self.announce(ready=False, stage=self.destination)
                 continue
@@ -254,7 +258,7 @@ class StageServer:
             )
 
     async def checkpoint_forever(self, stop: asyncio.Event, directory: str) -> None:
-        while not await sleep_unless(stop, self.cfg.checkpoint_period):
+        while not await sleep_unless(stop, self.cfg.checkpoint.checkpoint_period):
             if self.serving:
                 await asyncio.to_thread(save_checkpoint, self.worker, directory)
 
@@ -262,12 +266,12 @@ class StageServer:
         cfg = self.cfg
         stage = await self.rebalancer.choose_stage() if cfg.stage == "auto" else int(cfg.stage)
         await self.enter(stage)
-        rebalancing = cfg.rebalance and not cfg.solo
+        rebalancing = cfg.rebalance and not cfg.epochs.solo
         loops = [asyncio.create_task(self.announce_forever(stop, rebalancing))]
         if rebalancing:
             loops.append(asyncio.create_task(self.rebalancer.run(stop)))
-        if cfg.checkpoint_dir:
-            loops.append(asyncio.create_task(self.checkpoint_forever(stop, cfg.checkpoint_dir)))
+        if cfg.checkpoint.checkpoint_dir:
+            loops.append(asyncio.create_task(self.checkpoint_forever(stop, cfg.checkpoint.checkpoint_dir)))
         stopped = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait([stopped, *loops], return_when=asyncio.FIRST_COMPLETED)
@@ -284,14 +288,16 @@ class StageServer:
         if self._endpoint is None or self.state is PeerState.STOPPED:
             return
         was_serving, self.state = self.serving, PeerState.STOPPED
-        logger.info("stage %d: shutting down, draining up to %.0fs", self.stage, cfg.drain_timeout)
+        logger.info("stage %d: shutting down, draining up to %.0fs", self.stage, cfg.network.drain_timeout)
         await self.endpoint.health.enter_graceful_shutdown()
         try:
-            await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.record_ttl), 3)
+            await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.network.record_ttl), 3)
         except Exception as e:
             logger.warning("could not withdraw the DHT record: %r", e)
-        await self.endpoint.server.stop(grace=cfg.drain_timeout)
-        if cfg.checkpoint_dir and was_serving:  # not a stage we were still joining: its checkpoint would be wrong
-            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint_dir)
+        await self.endpoint.server.stop(grace=cfg.network.drain_timeout)
+        if (
+            cfg.checkpoint.checkpoint_dir and was_serving
+        ):  # not a stage we were still joining: its checkpoint would be wrong
+            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir)
         await self.collab.stop()
         self.worker.shutdown()

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from server.config import ServerConfig
+from server.config import ComputeConfig, OptimizerConfig
 from server.optim import build_optimizer, build_schedule
 from swarm.devices import synchronize
 from swarm.model import Stage
@@ -93,14 +93,22 @@ class ComputeThread:
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, cfg: ServerConfig, device: torch.device, prior_throughput: float = 0.0):
+    def __init__(
+        self,
+        stage: Stage,
+        optimizer: OptimizerConfig,
+        compute: ComputeConfig,
+        device: torch.device,
+        prior_throughput: float = 0.0,
+    ):
         """`prior_throughput` > 0: what `throughput` reports until PRIOR_UNTIL microbatches of this stage are measured
         (a peer that moved brings its speed on its previous stage instead of a fresh, noisier, one-off measurement)."""
-        self.stage, self.cfg, self.device = stage.to(device).train(), cfg, device
+        self.stage, self.device = stage.to(device).train(), device
+        self.optim_cfg, self.compute_cfg = optimizer, compute
         self.prior_throughput = prior_throughput
         self.params = [p for p in stage.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg.optimizer, self.params, cfg.lr, cfg.weight_decay)
-        self.schedule = build_schedule(self.optimizer, cfg.warmup_steps, cfg.total_steps)
+        self.optimizer = build_optimizer(optimizer.optimizer, self.params, optimizer.lr, optimizer.weight_decay)
+        self.schedule = build_schedule(self.optimizer, optimizer.warmup_steps, optimizer.total_steps)
         self.state_lock = threading.Lock()  # parameters and optimizer state change only under it
         self.compute = ComputeThread(f"stage{stage.index}-compute")
         self.queue_length = 0
@@ -110,7 +118,7 @@ class StageWorker:
         self.samples_accumulated = 0  # towards the current epoch
         self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
         self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
-        # the parameters of the last few versions (cfg.stash_versions), so that a backward whose forward ran before a
+        # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
         self._stash: dict[int, list[torch.Tensor]] = {}
         self.backwards_at_stashed_version = 0  # microbatches whose forward ran before a step, recomputed as it ran
@@ -204,10 +212,10 @@ class StageWorker:
 
     def _stash_parameters(self) -> None:
         """Compute thread, under the state lock, before the parameters change: keep the current version's."""
-        if self.cfg.stash_versions <= 0:
+        if self.compute_cfg.stash_versions <= 0:
             return
         versions = sorted(self._stash)
-        reuse = self._stash.pop(versions[0]) if len(versions) >= self.cfg.stash_versions else None
+        reuse = self._stash.pop(versions[0]) if len(versions) >= self.compute_cfg.stash_versions else None
         if reuse is None:
             self._stash[self.param_version] = [p.detach().clone() for p in self.params]
         else:
@@ -251,8 +259,8 @@ class StageWorker:
             for p, g in zip(self.params, grads, strict=False):
                 p.grad = g.to(p.device, p.dtype)
             self._stash_parameters()
-            if self.cfg.clip_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad_norm)
+            if self.optim_cfg.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm)
             self.optimizer.step()
             self.schedule.step()
             for p, saved_grad in zip(self.params, saved, strict=False):
@@ -319,7 +327,7 @@ class StageWorker:
     def _timed(self, kind: str, n_samples: int) -> Iterator[None]:
         """Compute thread only. Times one forward or backward of `n_samples` samples into the EMA behind `throughput`.
 
-        `cfg.slowdown` s > 1 emulates a device s times slower than this one running alone: the work is made to last
+        `--slowdown` s > 1 emulates a device s times slower than this one running alone: the work is made to last
         s x the least time this worker has taken for the same (kind, n_samples) so far, by sleeping the difference
         between that and the actual elapsed time (never negative). CPU contention only lengthens elapsed times, so the
         running minimum, and with it the emulated time, does not move with the load of other processes; sleeping,
@@ -332,10 +340,10 @@ class StageWorker:
         yield
         synchronize(self.device)  # kernels run asynchronously: time them, not their launches
         elapsed = time.perf_counter() - start
-        if self.cfg.slowdown > 1.0:
+        if self.compute_cfg.slowdown > 1.0:
             key = (kind, n_samples)
             fastest = self._fastest[key] = min(elapsed, self._fastest.get(key, elapsed))
-            emulated = self.cfg.slowdown * fastest
+            emulated = self.compute_cfg.slowdown * fastest
             if emulated > elapsed:
                 time.sleep(emulated - elapsed)
             elapsed = emulated

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from server.collab import LocalSteps
-from server.config import ServerConfig
+from server.config import ComputeConfig, OptimizerConfig
 from server.service import StageSchema, StageService
 from server.worker import StageWorker
 from swarm.config import ModelConfig
@@ -34,8 +34,8 @@ class InProcessStages:
     ):
         self.cfg = cfg
         self.indices = list(range(cfg.n_stages)) if stages is None else stages
-        server_cfg = ServerConfig(samples_per_step=samples_per_step, max_batch_size=max_batch)
-        self.workers = {i: worker_cls(Stage(cfg, i), server_cfg, device) for i in self.indices}
+        compute = ComputeConfig(max_batch_size=max_batch)
+        self.workers = {i: worker_cls(Stage(cfg, i), OptimizerConfig(), compute, device) for i in self.indices}
         self.services = {
             i: StageService(w, StageSchema(cfg, i, max_batch), LocalSteps(w, samples_per_step))
             for i, w in self.workers.items()

@@ -5,7 +5,14 @@ import dataclasses
 
 import pytest
 
-from server.config import ServerConfig
+from server.config import (
+    AveragingConfig,
+    CheckpointConfig,
+    EpochConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    ServerConfig,
+)
 from server.main import build_parser as server_parser
 from swarm.cli import config_from_args, to_argv
 from swarm.rebalance import RebalanceConfig
@@ -21,10 +28,17 @@ def parse(parser, cls, argv):
 @pytest.mark.parametrize("changed_only", [True, False])
 def test_to_argv_round_trips_every_kind_of_field(changed_only):
     server = ServerConfig(
-        stage="2", initial_peers=["/ip4/1.2.3.4/tcp/5/p2p/X", "/ip4/5.6.7.8/tcp/9/p2p/Y"], lr=3.5e-4,
-        delay_optimizer_step=True, rebalance=False, announce_host="example.org", checkpoint_dir="/tmp/ck",
-        rebalancing=RebalanceConfig(period_s=7.5, algorithm="paper"), allreduce_codec="fp16",
-    )  # fmt: skip
+        stage="2",
+        network=NetworkConfig(
+            initial_peers=["/ip4/1.2.3.4/tcp/5/p2p/X", "/ip4/5.6.7.8/tcp/9/p2p/Y"], announce_host="e.org"
+        ),
+        optimizer=OptimizerConfig(lr=3.5e-4),
+        epochs=EpochConfig(delay_optimizer_step=True),
+        checkpoint=CheckpointConfig(checkpoint_dir="/tmp/ck"),
+        averaging=AveragingConfig(allreduce_codec="fp16"),
+        rebalance=False,
+        rebalancing=RebalanceConfig(period_s=7.5, algorithm="paper"),
+    )
     assert parse(server_parser(), ServerConfig, to_argv(server, changed_only=changed_only)) == server
     trainer = TrainerConfig(in_flight=7, codec="none", data="corpus.txt", max_steps=11, duration=2.5)
     assert parse(trainer_parser(), TrainerConfig, to_argv(trainer, changed_only=changed_only)) == trainer
@@ -33,7 +47,7 @@ def test_to_argv_round_trips_every_kind_of_field(changed_only):
 
 def test_to_argv_relative_to_a_base_config():
     base = local_server(1)
-    cfg = dataclasses.replace(base, lr=1e-4)
+    cfg = dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4))
     assert to_argv(cfg, base=base) == ["--lr", "0.0001"]
 
 
@@ -49,7 +63,9 @@ def test_swarm_local_starts_exactly_the_configs_it_describes(tmp_path, monkeypat
     start_peers(swarm, cfg)
     module, argv = started["server-s1-r0"]
     assert module == "server.main"
-    expected = dataclasses.replace(cfg.server_config(1), swarm_name="cli", initial_peers=swarm.initial_peers)
+    server = cfg.server_config(1)
+    network = dataclasses.replace(server.network, swarm_name="cli", initial_peers=swarm.initial_peers)
+    expected = dataclasses.replace(server, network=network)
     assert parse(server_parser(), ServerConfig, argv) == expected
     module, argv = started["trainer-0"]
     expected = dataclasses.replace(

@@ -12,7 +12,14 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT, start_dht
-from server.config import ServerConfig
+from server.config import (
+    AveragingConfig,
+    ComputeConfig,
+    EpochConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    ServerConfig,
+)
 from server.stage_server import StageServer
 from server.worker import StageWorker
 from swarm.config import model_config
@@ -66,16 +73,12 @@ async def stage_servers():
 def server_config(initial_peers: list[str]) -> ServerConfig:
     return ServerConfig(
         stage="0",
-        initial_peers=initial_peers,
-        samples_per_step=8,
-        clip_grad_norm=0.0,
-        matchmaking_time=0.5,
-        averaging_timeout=TIMEOUT,
-        progress_period=0.1,
-        announce_period=1.0,
-        param_average_every=0,
+        network=NetworkConfig(initial_peers=initial_peers, announce_period=1.0),
+        optimizer=OptimizerConfig(clip_grad_norm=0.0),
+        compute=ComputeConfig(torch_threads=1),
+        epochs=EpochConfig(samples_per_step=8, progress_period=0.1),
+        averaging=AveragingConfig(matchmaking_time=0.5, averaging_timeout=TIMEOUT),
         rebalance=False,
-        torch_threads=1,
     )
 
 
@@ -123,7 +126,8 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
         if busy_peer == "without_samples":
             assert synced - free < 0.8 * TIMEOUT, "the busy peer retried a round after its peer had finished it"
 
-        expected = StageWorker(Stage(MODEL, 0), server_config(peers), torch.device("cpu"))
+        cfg = server_config(peers)
+        expected = StageWorker(Stage(MODEL, 0), cfg.optimizer, cfg.compute, torch.device("cpu"))
         expected.backward(tokens, grad_outputs=grad_out)
         expected.apply_gradients(expected.take_gradients()[0])
         for name, p in expected.stage.named_parameters():

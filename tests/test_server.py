@@ -9,7 +9,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.config import ServerConfig
+from server.config import ComputeConfig, OptimizerConfig
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import tiny_test
@@ -160,7 +160,7 @@ def test_returned_gradients_accumulate_on_as_if_never_taken():
     cfg = tiny_test()
     tokens, labels = random_batch(cfg, 4, 0)
     _, more_labels = random_batch(cfg, 4, 1)
-    workers = [StageWorker(Stage(cfg, cfg.n_stages - 1), ServerConfig(), CPU) for _ in range(2)]
+    workers = [StageWorker(Stage(cfg, cfg.n_stages - 1), OptimizerConfig(), ComputeConfig(), CPU) for _ in range(2)]
     hidden = torch.randn(*tokens.shape, cfg.d_model, generator=torch.Generator().manual_seed(0))
     for w in workers:
         w.backward(hidden, labels=labels)
@@ -196,11 +196,11 @@ def test_backward_recomputes_the_forward_at_the_version_that_served_it(stash_ver
     """A step between a microbatch's Forward and its Backward: the backward must use the parameters that produced the
     microbatch's outputs (a gradient of one model), not the stepped ones, as long as that version is stashed."""
     cfg = tiny_test()
-    server_cfg = ServerConfig(stash_versions=stash_versions)
+    compute = ComputeConfig(stash_versions=stash_versions)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, cfg.max_seq_len, cfg.d_model, generator=gen)
     grad_out = torch.randn(2, cfg.max_seq_len, cfg.d_model, generator=gen)
-    worker, reference = (StageWorker(Stage(cfg, 1), server_cfg, CPU) for _ in range(2))  # identical: same seed
+    worker, reference = (StageWorker(Stage(cfg, 1), OptimizerConfig(), compute, CPU) for _ in range(2))  # same seed
     served_by = worker.param_version
     worker.apply_gradients([torch.randn_like(p, generator=gen) for p in worker.params])  # another epoch's step
     assert worker.param_version == served_by + 1

@@ -4,14 +4,13 @@ The semantics are checked on a fake clock (exact numbers); the real-clock test c
 `throughput`, which trainers route by, drops to about 1/N.
 """
 
-import dataclasses
 import time
 
 import pytest
 import torch
 
 import server.worker
-from server.config import ServerConfig
+from server.config import ComputeConfig, OptimizerConfig
 from server.worker import StageWorker
 from swarm.config import tiny_test
 from swarm.model import Stage
@@ -49,7 +48,7 @@ def clock(monkeypatch) -> FakeClock:
 def worker(slowdown: float, stage: int = 0) -> StageWorker:
     """Stage 0 by default: its throughput counts forwards and backwards (the last stage's, backwards only)."""
     cfg = tiny_test()
-    return StageWorker(Stage(cfg, stage), ServerConfig(slowdown=slowdown), CPU)
+    return StageWorker(Stage(cfg, stage), OptimizerConfig(), ComputeConfig(slowdown=slowdown), CPU)
 
 
 def work(w: StageWorker, clock: FakeClock, seconds: float, kind: str = "backward", n: int = 4) -> float:
@@ -144,4 +143,4 @@ def test_slowdown_3_gives_a_third_of_the_throughput_on_a_real_stage(one_thread):
 
 def test_slowdown_below_one_is_rejected():
     with pytest.raises(ValueError, match="--slowdown"):
-        dataclasses.replace(ServerConfig(), slowdown=0.5)
+        ComputeConfig(slowdown=0.5)

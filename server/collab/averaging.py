@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from server.collab.hivemind_compat import StrictAverager, start_in_background
-from server.config import ServerConfig
+from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole
 
@@ -55,7 +55,7 @@ class GradientAveraging:
     """A weighted all-reduce of one epoch's mean gradients (weight: samples behind them), retried within
     --averaging-timeout. Compute thread or averaging pool."""
 
-    def __init__(self, averager: StageAverager, cfg: ServerConfig, codec: Codec):
+    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.bytes = 0  # what this peer sent and received, estimated from the codec's encoded size
 
@@ -116,7 +116,7 @@ class ParameterAveraging:
     whose optimizers round differently (devices of different kinds), which identical averaged gradients alone do not
     keep equal. Compute thread."""
 
-    def __init__(self, averager: DecentralizedAverager, cfg: ServerConfig, codec: Codec):
+    def __init__(self, averager: DecentralizedAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.bytes = 0
 
@@ -177,7 +177,7 @@ class Averaging:
 
 
 def build_averaging(
-    worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: ServerConfig, policy: CompressionPolicy
+    worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: AveragingConfig, policy: CompressionPolicy
 ) -> Averaging:
     """Build anywhere; `Averaging.launch` on the main thread (hivemind's averagers are forked processes)."""
     prefix = f"{sdht.swarm_name}_stage{stage}"

@@ -39,7 +39,7 @@ from server.collab.averaging import build_averaging
 from server.collab.hivemind_compat import check_version
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
-from server.config import ServerConfig
+from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
@@ -64,16 +64,25 @@ class StageCollaboration:
     """Build anywhere, then on the main thread `await launch()` (hivemind's averagers are forked processes), then
     `await join()` and `await start()` before serving; `await stop()` when done with the stage."""
 
-    def __init__(self, worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: ServerConfig):
-        self.worker, self.sdht, self.stage, self.cfg = worker, sdht, stage, cfg
-        self.policy = CompressionPolicy(allreduce_gradients=cfg.allreduce_codec)
-        self.averaging = build_averaging(worker, sdht, stage, cfg, self.policy)
-        self.peers = StagePeers(sdht, stage, cfg.peer_timeout)
+    def __init__(
+        self,
+        worker: StageWorker,
+        sdht: SwarmDHT,
+        stage: int,
+        epochs: EpochConfig,
+        averaging: AveragingConfig,
+        network: NetworkConfig,
+    ):
+        self.worker, self.sdht, self.stage = worker, sdht, stage
+        self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
+        self.policy = CompressionPolicy(allreduce_gradients=averaging.allreduce_codec)
+        self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
+        self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.phase = Phase.ACCUMULATING
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
         self.diverged = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
-        self.recovery = Recovery(worker, self.averaging.state, self.peers, cfg, stage, self._pool)
+        self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
         self._admitted: dict[int, int] = {}  # stage 0: epoch -> samples we admitted towards it
         self._admission = asyncio.Event()  # set when an admission may have become possible
@@ -111,7 +120,7 @@ class StageCollaboration:
         so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
         overruns --averaging-timeout (measured: the first round failed on every stage of a 3x2 local swarm)."""
         check_version()
-        if self.cfg.allreduce_codec == "blockwise8":
+        if self.averaging_cfg.allreduce_codec == "blockwise8":
             await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
         self.averaging.launch()
         await asyncio.to_thread(self.averaging.wait_until_ready, timeout)
@@ -246,7 +255,7 @@ class StageCollaboration:
                 pass
             self._kick.clear()
             try:
-                if time.monotonic() - last_refresh > self.cfg.announce_period:
+                if time.monotonic() - last_refresh > self.network.announce_period:
                     last_refresh = time.monotonic()
                     await self.peers.refresh()
                     await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
@@ -334,7 +343,7 @@ class StageCollaboration:
             n,
             label=f"stage {self.stage} epoch {epoch}",
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
-            retry_grace=self.cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
+            retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
         )
 
     def _average_and_step(self, n_peers: int) -> None:
@@ -350,7 +359,11 @@ class StageCollaboration:
             self.worker.apply_gradients(averaged, end_epoch=True)
         if self.epoch == epoch:
             return
-        if n_peers > 1 and self.cfg.param_average_every > 0 and self.epoch % self.cfg.param_average_every == 0:
+        if (
+            n_peers > 1
+            and self.averaging_cfg.param_average_every > 0
+            and self.epoch % self.averaging_cfg.param_average_every == 0
+        ):
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)

@@ -17,7 +17,7 @@ import torch
 
 from server.collab.averaging import StageAverager
 from server.collab.progress import StagePeers
-from server.config import ServerConfig
+from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Recovery:
         worker: StageWorker,
         averager: StageAverager,
         peers: StagePeers,
-        cfg: ServerConfig,
+        cfg: AveragingConfig,
         stage: int,
         pool: Executor,
     ):

@@ -24,7 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.config import ServerConfig
+from server.config import (
+    AveragingConfig,
+    ComputeConfig,
+    EpochConfig,
+    NetworkConfig,
+    OptimizerConfig,
+    ServerConfig,
+)
 from swarm.cli import add_config_args, config_from_args, to_argv
 from swarm.compression import CODECS
 from swarm.config import PRESETS
@@ -57,19 +64,19 @@ class LocalConfig:
     batch_size: int = field(default=TrainerConfig.batch_size, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=TrainerConfig.in_flight, metadata={"help": "microbatches in flight per trainer"})
     samples_per_step: int = field(
-        default=ServerConfig.samples_per_step, metadata={"help": "global batch of each stage, in samples"}
+        default=EpochConfig.samples_per_step, metadata={"help": "global batch of each stage, in samples"}
     )
-    lr: float = field(default=ServerConfig.lr, metadata={"help": "servers' learning rate"})
+    lr: float = field(default=OptimizerConfig.lr, metadata={"help": "servers' learning rate"})
     allreduce_codec: str = field(
-        default=ServerConfig.allreduce_codec,
+        default=AveragingConfig.allreduce_codec,
         metadata={"help": "codec of the stages' gradient all-reduce", "choices": sorted(CODECS)},
     )
     delay_optimizer_step: bool = field(
-        default=ServerConfig.delay_optimizer_step,
+        default=EpochConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
     )
     lookahead_samples: int = field(
-        default=ServerConfig.lookahead_samples,
+        default=EpochConfig.lookahead_samples,
         metadata={"help": "stage 0 admits this many samples of the next global batch early (see swarm-server)"},
     )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
@@ -81,7 +88,7 @@ class LocalConfig:
         },
     )
     slowdown: float = field(
-        default=ServerConfig.slowdown, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
+        default=ComputeConfig.slowdown, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
     )
 
     def __post_init__(self) -> None:
@@ -108,14 +115,18 @@ class LocalConfig:
         return counts
 
     def server_config(self, stage: int) -> ServerConfig:
+        base = local_server(stage)
         return dataclasses.replace(
-            local_server(stage),
-            samples_per_step=self.samples_per_step,
-            lr=self.lr,
-            allreduce_codec=self.allreduce_codec,
-            delay_optimizer_step=self.delay_optimizer_step,
-            lookahead_samples=self.lookahead_samples,
-            slowdown=self.slowdown,
+            base,
+            optimizer=dataclasses.replace(base.optimizer, lr=self.lr),
+            epochs=dataclasses.replace(
+                base.epochs,
+                samples_per_step=self.samples_per_step,
+                delay_optimizer_step=self.delay_optimizer_step,
+                lookahead_samples=self.lookahead_samples,
+            ),
+            averaging=dataclasses.replace(base.averaging, allreduce_codec=self.allreduce_codec),
+            compute=dataclasses.replace(base.compute, slowdown=self.slowdown),
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
         )
 
@@ -131,12 +142,10 @@ class LocalConfig:
 def local_server(stage: int | str) -> ServerConfig:
     return ServerConfig(
         stage=str(stage),
-        host="127.0.0.1",
-        announce_period=2.0,
-        record_ttl=8.0,
-        torch_threads=1,
-        matchmaking_time=0.5,
-        progress_period=0.2,
+        network=NetworkConfig(host="127.0.0.1", announce_period=2.0, record_ttl=8.0),
+        compute=ComputeConfig(torch_threads=1),
+        averaging=AveragingConfig(matchmaking_time=0.5),
+        epochs=EpochConfig(progress_period=0.2),
     )
 
 
