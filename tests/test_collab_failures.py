@@ -40,7 +40,7 @@ async def wait_for_async(predicate, timeout: float, what: str) -> None:
 
 async def hide_from_state_sharing(server: StageServer) -> None:
     """Make the DHT record of who shares state say that `server` does not, for the rest of the test. That record can
-    lag (in CI, a peer found nobody sharing for 30 s while its stage peer was live): copying must not depend on it."""
+    lag behind the peers' real state by tens of seconds: copying must not depend on it."""
     key = f"{server.collab.averaging.state.prefix}.all_averagers"
     store = functools.partial(
         server.sdht.dht.store, key, None, get_dht_time() + 120, subkey=server.sdht.dht.peer_id.to_bytes()

@@ -6,15 +6,11 @@ trains one model per stage rather than one per peer. The peer whose count comple
 join the all-reduce; peers that received nothing this epoch take part with weight 0. A failed round, a peer that fell
 behind, and a joiner are handled by recovery.py.
 
-Stage 0 decides which global batch a microbatch belongs to when it admits its Forward: it admits `--samples-per-step`
-samples per epoch, plus at most `--lookahead-samples` of the next epoch, and holds further Forwards until the epoch
-has stepped. Its peers split that quota: each admits up to an equal share, and claims a share for every other peer
-that admits work, unless that peer's messages say it admitted more (a peer that trainers stopped sending Forwards to
-stops claiming after an epoch). So simultaneous admissions on several peers never overfill an epoch. A Forward that
-finds its peer's share full while the epoch is not is refused (AdmissionRefused): the trainer takes it to another
-peer of stage 0 at once. With no lookahead, every sample of a global batch is
-computed at one set of parameters on every stage, as in one process: the pipeline drains at each step. Admission is
-the only place where the number of trainers and of their microbatches in flight meets the global batch.
+Stage 0 decides which global batch a microbatch belongs to when it admits its Forward (admission.py), and every later
+call of the microbatch carries it: each stage adds the microbatch's gradient to that global batch, and ends an epoch
+as soon as a call shows that stage 0 has moved past it. With no lookahead, every sample of a global batch is computed
+at one set of parameters on every stage, as in one process: the pipeline drains at each step. Admission is the only
+place where the number of trainers and of their microbatches in flight meets the global batch.
 
 Synchronous mode averages and steps on the compute thread: requests queue (the event loop, Info and health stay live)
 for the few hundred milliseconds of an all-reduce. `--delay-optimizer-step` instead averages in the background while
@@ -35,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from dht.node import SwarmDHT
+from server.collab.admission import Admission, Decision
 from server.collab.averaging import build_averaging
 from server.collab.hivemind_compat import check_version
 from server.collab.progress import StagePeers
@@ -84,7 +81,7 @@ class StageCollaboration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
-        self._admitted: dict[int, int] = {}  # stage 0: epoch -> samples we admitted towards it
+        self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
@@ -118,7 +115,7 @@ class StageCollaboration:
 
         bitsandbytes is imported lazily, and importing it takes seconds on a loaded machine: initialise it here first,
         so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
-        overruns --averaging-timeout (measured: the first round failed on every stage of a 3x2 local swarm)."""
+        overruns --averaging-timeout."""
         check_version()
         if self.averaging_cfg.allreduce_codec == "blockwise8":
             await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
@@ -192,49 +189,30 @@ class StageCollaboration:
 
     async def _broadcast(self, end_epoch: bool) -> None:
         epoch = self.epoch
-        admitted = (self._admitted.get(epoch, 0), self._admitted.get(epoch + 1, 0))
-        await self.peers.broadcast(epoch, self.worker.samples_accumulated, end_epoch, admitted)
-
-    def _full(self, epoch: int, limit: int) -> bool:
-        """Every peer's admissions towards `epoch`, as far as we know them, fill its global batch."""
-        others = sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers)
-        return self._admitted.get(epoch, 0) + others >= limit
-
-    def _has_room(self, epoch: int, limit: int) -> bool:
-        """Whether we may admit a microbatch towards `epoch`, whose global batch admits `limit` samples."""
-        claimants = self.peers.admitting(epoch)
-        share = limit / (1 + len(claimants))
-        claimed = sum(max(self.peers.admitted_by(p, epoch), share) for p in claimants)
-        return self._admitted.get(epoch, 0) + claimed < limit
+        await self.peers.broadcast(epoch, self.worker.samples_accumulated, end_epoch, self.admission.counts(epoch))
 
     async def admit(self, n: int) -> tuple[int, int]:
         """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait until a global batch
-        has room (see the module docstring). Returns (the global batch it joins, our epoch now)."""
-        quota, lookahead = self.cfg.samples_per_step, self.cfg.lookahead_samples
+        has room (server/collab/admission.py). Returns (the global batch it joins, our epoch now)."""
         while True:
-            epoch = self.epoch
-            if self._has_room(epoch, quota):
-                break
-            epoch += 1
-            if self._has_room(epoch, lookahead):
-                break
-            if not (self._full(epoch - 1, quota) and self._full(epoch, lookahead)):
+            placed = self.admission.place(self.epoch)
+            if placed is Decision.REFUSE:
                 raise AdmissionRefused(
-                    f"stage 0 admits its share of global batch {epoch - 1} on each of its peers; this peer's share is "
-                    f"full and another peer's is not"
+                    f"stage 0 admits its share of global batch {self.epoch} on each of its peers; this peer's share "
+                    f"is full and another peer's is not"
                 )
+            if placed is not Decision.WAIT:
+                break
             self._admission.clear()
             try:
                 await asyncio.wait_for(self._admission.wait(), self.cfg.progress_period)
             except TimeoutError:
                 pass
-        admitted_at = self.epoch
-        self._admitted[epoch] = self._admitted.get(epoch, 0) + n
-        for old in [e for e in self._admitted if e < self.epoch]:
-            del self._admitted[old]
+        assert isinstance(placed, int)
+        self.admission.record(placed, n, self.epoch)
         if self.peers.peers:  # the other peers of stage 0 count our admissions
             self._spawn(self._broadcast(end_epoch=False))
-        return epoch, admitted_at
+        return placed, self.epoch
 
     async def observe(self, admitted_at: int) -> None:
         """Event loop, before a call of a microbatch that stage 0 admitted at its epoch `admitted_at`: stage 0 had then
@@ -288,7 +266,7 @@ class StageCollaboration:
         if self.stage != 0:
             return False
         done = self.worker.samples_accumulated + self.peers.samples_in(epoch)
-        admitted = self._admitted.get(epoch, 0) + sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers)
+        admitted = self.admission.total(epoch)
         now = time.monotonic()
         if admitted < self.cfg.samples_per_step or done != self._stalled_at[1] or epoch != self._stalled_at[0]:
             self._stalled_at = (epoch, done, now)
