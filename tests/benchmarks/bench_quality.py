@@ -6,9 +6,13 @@ trains the same model from the same seed on exactly those samples (each trainer'
 it completed, interleaved), with the same optimizer, learning rate, weight decay, per-stage clipping and global batch.
 Both are evaluated on the same held-out sequences (the last 10% of the corpus, never trained on).
 
+Two one-process references: the samples taken round-robin from the trainers' streams, `--samples-per-step` to a
+step (what one process would do with the same samples), and, where the trainers log them, the very global batches
+stage 0 formed (isolates what the swarm itself changes, compression and staleness, from the order of the samples).
+
 Reported per configuration: held-out loss of the swarm (the model of each replica column: stage i's peer r, for r = 0
-and 1) and of the one-process run, their ratio, the optimizer steps each stage took against samples / global batch,
-how far apart the peers of a stage ended (relative L2 of their parameters), and samples/s.
+and 1) and of the one-process runs, their ratios, the optimizer steps each stage took against samples / global
+batch, how far apart the peers of a stage ended (relative L2 of their parameters), and samples/s.
 
     python -m tests.benchmarks.bench_quality [--quick] [--data builtin,licences] [--samples 3232] [--only a,b]
 """
@@ -106,26 +110,48 @@ def evaluate(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     return sum(losses) / len(losses)
 
 
-def one_process(cfg: ModelConfig, train: torch.Tensor, local: LocalConfig, completed: list[int], batch: tuple) -> dict:
-    """Train on the microbatches the trainers completed (trainer t: the first completed[t] of its stream, seed t),
-    round-robin, one AdamW step per global batch, clipping each stage's gradient like its server does."""
+def one_process(
+    cfg: ModelConfig, train: torch.Tensor, local: LocalConfig, groups: list[list[tuple[int, int]]], batch: tuple
+) -> dict:
+    """Train on the given global batches, each a list of (trainer t, index i): the i-th microbatch of trainer t's
+    data stream (seed t). One AdamW step per global batch, clipping each stage's gradient like its server does."""
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=local.lr, weight_decay=WEIGHT_DECAY)
-    streams = [microbatches(train, local.batch_size, cfg.max_seq_len, seed=t) for t in range(len(completed))]
-    order = [t for i in range(max(completed, default=0)) for t in range(len(completed)) if i < completed[t]]
-    accumulated, steps = 0, 0
-    for t in order:
-        tokens, labels = next(streams[t])
-        (model(tokens, labels) * tokens.shape[0] / local.samples_per_step).backward()
-        accumulated += tokens.shape[0]
-        if accumulated >= local.samples_per_step:
-            for stage in model.stages:
-                torch.nn.utils.clip_grad_norm_(stage.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            accumulated, steps = 0, steps + 1
-    return {"heldout_loss": evaluate(model, batch), "steps": steps}
+    trainers = 1 + max(t for g in groups for t, _ in g)
+    streams = [microbatches(train, local.batch_size, cfg.max_seq_len, seed=t) for t in range(trainers)]
+    drawn: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(trainers)]
+    for group in groups:
+        for t, i in group:
+            while len(drawn[t]) <= i:
+                drawn[t].append(next(streams[t]))
+            tokens, labels = drawn[t][i]
+            (model(tokens, labels) * tokens.shape[0] / local.samples_per_step).backward()
+        for stage in model.stages:
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"heldout_loss": evaluate(model, batch), "steps": len(groups)}
+
+
+def round_robin(completed: list[int], per_batch: int) -> list[list[tuple[int, int]]]:
+    """The trainers' microbatches (trainer t: the first completed[t] of its stream) taken in turn, `per_batch` to a
+    global batch, the incomplete last one left out: what one process given the same samples would do."""
+    order = [(t, i) for i in range(max(completed, default=0)) for t in range(len(completed)) if i < completed[t]]
+    return [order[k : k + per_batch] for k in range(0, len(order) - per_batch + 1, per_batch)]
+
+
+def swarm_batches(records: list[dict], samples_per_step: int) -> list[list[tuple[int, int]]] | None:
+    """The global batches stage 0 formed, from the trainers' loss logs (None where the swarm does not log them);
+    the last one left out if it is incomplete, as the swarm did not step it."""
+    if any(r.get("global_batch") is None for r in records):
+        return None
+    groups: dict[int, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["global_batch"], []).append(r)
+    batches = [[(r["trainer"], r["index"]) for r in groups[g]] for g in sorted(groups)]
+    last = groups[max(groups)]
+    return batches[:-1] if sum(r["batch"] for r in last) < samples_per_step else batches
 
 
 def run_swarm(name: str, local: LocalConfig, train_path: Path, samples: int, out: Path, timeout: float) -> dict:
@@ -134,9 +160,14 @@ def run_swarm(name: str, local: LocalConfig, train_path: Path, samples: int, out
     tag = "".join(c if c.isalnum() else "-" for c in name)[:40]
     log_dir = out / "logs" / f"{tag}-{time.strftime('%H%M%S')}"
     per_trainer = math.ceil(samples / local.batch_size / local.trainers)
-    ckpt = lambda server: ["--checkpoint-dir", str(log_dir / f"ckpt-{server}"), "--checkpoint-period", "1e9"]  # noqa: E731
-    feed = lambda trainer: ["--data", str(train_path), "--max-steps", str(per_trainer), "--loss-log",  # noqa: E731
-                            str(log_dir / f"{trainer}-losses.jsonl")]  # fmt: skip
+
+    def ckpt(server: str) -> list[str]:
+        return ["--checkpoint-dir", str(log_dir / f"ckpt-{server}"), "--checkpoint-period", "1e9"]
+
+    def feed(trainer: str) -> list[str]:
+        log = str(log_dir / f"{trainer}-losses.jsonl")
+        return ["--data", str(train_path), "--max-steps", str(per_trainer), "--loss-log", log]
+
     started = time.monotonic()
     with LocalSwarm(log_dir, local.swarm_name, ["--preset", local.preset, "--n-stages", str(local.stages)]) as swarm:
         swarm.start_dht()
@@ -154,14 +185,22 @@ def run_swarm(name: str, local: LocalConfig, train_path: Path, samples: int, out
             time.sleep(0.5)
         swarm.stop_all()  # SIGTERM: every server writes its stage
     stats = [json.loads((log_dir / f"trainer-{t}.json").read_text()) for t in range(local.trainers)]
-    return {"stats": stats, "log_dir": log_dir, "wall_s": time.monotonic() - started}
+    records = [
+        {**json.loads(line), "trainer": t}
+        for t in range(local.trainers)
+        for line in (log_dir / f"trainer-{t}-losses.jsonl").read_text().splitlines()
+    ]
+    return {"stats": stats, "records": records, "log_dir": log_dir, "wall_s": time.monotonic() - started}
 
 
 def swarm_models(cfg: ModelConfig, log_dir: Path, allocation: list[int]) -> tuple[list[GPT], list[float]]:
     """The model of each replica column r (stage i from server-s{i}-r{min(r, peers-1)}), and per stage the largest
     relative L2 distance between the parameters of its peers."""
-    weights = {(s, r): load_file(str(log_dir / f"ckpt-server-s{s}-r{r}" / f"stage{s}.safetensors"))
-               for s, n in enumerate(allocation) for r in range(n)}  # fmt: skip
+    weights = {
+        (s, r): load_file(str(log_dir / f"ckpt-server-s{s}-r{r}" / f"stage{s}.safetensors"))
+        for s, n in enumerate(allocation)
+        for r in range(n)
+    }
     models = []
     for r in range(max(allocation)):
         model = GPT(cfg)
@@ -171,8 +210,13 @@ def swarm_models(cfg: ModelConfig, log_dir: Path, allocation: list[int]) -> tupl
     gaps = []
     for s, n in enumerate(allocation):
         ref = torch.cat([v.flatten() for _, v in sorted(weights[(s, 0)].items())])
-        gaps.append(max((torch.cat([v.flatten() for _, v in sorted(weights[(s, r)].items())]) - ref).norm().item()
-                        / ref.norm().item() for r in range(n)))  # fmt: skip
+        gaps.append(
+            max(
+                (torch.cat([v.flatten() for _, v in sorted(weights[(s, r)].items())]) - ref).norm().item()
+                / ref.norm().item()
+                for r in range(n)
+            )
+        )
     return models, gaps
 
 
@@ -215,35 +259,65 @@ def main(argv: list[str] | None = None) -> int:
             common.log(f"{corpus} / {name}: swarm run")
             run = run_swarm(name, local, train_path, samples, out, args.timeout)
             completed = [s["steps"] for s in run["stats"]]  # trainer t reads the stream of seed t
+            per_batch = local.samples_per_step // local.batch_size
             key = (tuple(completed), local.lr, local.samples_per_step, local.batch_size)
             if key not in reference_cache:
-                common.log(f"{corpus} / {name}: one-process run on the same {sum(completed)} microbatches")
-                reference_cache[key] = one_process(cfg, train, local, completed, batch)
+                common.log(f"{corpus} / {name}: one process on the same {sum(completed)} microbatches, round-robin")
+                reference_cache[key] = one_process(cfg, train, local, round_robin(completed, per_batch), batch)
             ref = reference_cache[key]
+            same = swarm_batches(run["records"], local.samples_per_step)
+            if same is not None:
+                common.log(f"{corpus} / {name}: one process on the swarm's own {len(same)} global batches")
+            ref_same = one_process(cfg, train, local, same, batch) if same is not None else None
             models, gaps = swarm_models(cfg, run["log_dir"], local.allocation)
             swarm_losses = [evaluate(m, batch) for m in models]
+            swarm_loss = sum(swarm_losses) / len(swarm_losses)
             row = {
-                "corpus": corpus, "config": name, "samples": sum(s["samples"] for s in run["stats"]),
-                "swarm_heldout": swarm_losses, "one_process_heldout": ref["heldout_loss"],
-                "ratio": sum(swarm_losses) / len(swarm_losses) / ref["heldout_loss"],
+                "corpus": corpus,
+                "config": name,
+                "samples": sum(s["samples"] for s in run["stats"]),
+                "swarm_heldout": swarm_losses,
+                "one_process_heldout": ref["heldout_loss"],
+                "ratio": swarm_loss / ref["heldout_loss"],
+                "same_batches_heldout": ref_same and ref_same["heldout_loss"],
+                "ratio_same_batches": ref_same and swarm_loss / ref_same["heldout_loss"],
                 "stage_steps": [max(s["param_versions"][i] for s in run["stats"]) for i in range(local.stages)],
-                "one_process_steps": ref["steps"], "peer_gap": gaps,
+                "one_process_steps": ref["steps"],
+                "peer_gap": gaps,
                 "samples_per_second": throughput(run["log_dir"], local.trainers),
-                "lost": sum(s["lost_microbatches"] for s in run["stats"]), "log_dir": str(run["log_dir"]),
-            }  # fmt: skip
+                "lost": sum(s["lost_microbatches"] for s in run["stats"]),
+                "log_dir": str(run["log_dir"]),
+            }
             results.append(row)
             common.log(f"{corpus} / {name}: swarm {swarm_losses} vs one process {ref['heldout_loss']:.4f}")
     common.table(
         f"held-out loss at equal samples ({samples}), swarm vs one process",
-        ["corpus", "configuration", "swarm (r0/r1)", "one process", "swarm/one", "stage steps", "peer gap", "samples/s"],
         [
-            [r["corpus"], r["config"], "/".join(f"{x:.3f}" for x in r["swarm_heldout"]),
-             f"{r['one_process_heldout']:.3f}", f"{r['ratio']:.3f}",
-             "/".join(map(str, r["stage_steps"])) + f" ({r['one_process_steps']})",
-             "/".join(f"{g:.1e}" for g in r["peer_gap"]), f"{r['samples_per_second']:.1f}"]
+            "corpus",
+            "configuration",
+            "swarm (r0/r1)",
+            "one process",
+            "swarm/one",
+            "same batches",
+            "stage steps",
+            "peer gap",
+            "samples/s",
+        ],
+        [
+            [
+                r["corpus"],
+                r["config"],
+                "/".join(f"{x:.3f}" for x in r["swarm_heldout"]),
+                f"{r['one_process_heldout']:.3f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_same_batches']:.4f}" if r["ratio_same_batches"] else "-",
+                "/".join(map(str, r["stage_steps"])) + f" ({r['one_process_steps']})",
+                "/".join(f"{g:.1e}" for g in r["peer_gap"]),
+                f"{r['samples_per_second']:.1f}",
+            ]
             for r in results
         ],
-    )  # fmt: skip
+    )
     common.write_json(args.out, "quality", {"hardware": common.hardware(), "samples": samples, "results": results})
     return 0
 
