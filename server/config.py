@@ -97,7 +97,7 @@ class EpochConfig:
         },
     )
     admission_timeout: float = field(
-        default=10.0,
+        default=30.0,
         metadata={
             "help": "stage 0: end an epoch whose admitted microbatches stopped coming back this long ago (a trainer "
             "died with them in flight)"
@@ -113,8 +113,10 @@ class EpochConfig:
     def __post_init__(self) -> None:
         if self.samples_per_step < 1:
             raise ValueError("--samples-per-step must be >= 1")
-        if self.lookahead_samples < 0 or self.admission_timeout <= 0:
-            raise ValueError("--lookahead-samples must be >= 0 and --admission-timeout > 0")
+        if self.lookahead_samples < 0:
+            raise ValueError(f"--lookahead-samples must be >= 0, got {self.lookahead_samples}")
+        if self.admission_timeout <= 0:
+            raise ValueError(f"--admission-timeout must be > 0, got {self.admission_timeout}")
 
 
 @dataclass(kw_only=True)
@@ -171,3 +173,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.stage != "auto" and not (self.stage.isdigit()):
             raise ValueError(f"--stage must be a non-negative integer or 'auto', got {self.stage!r}")
+        if self.epochs.admission_timeout < 2 * self.averaging.averaging_timeout:
+            raise ValueError(
+                f"--admission-timeout ({self.epochs.admission_timeout}) must be at least twice --averaging-timeout "
+                f"({self.averaging.averaging_timeout}): a stage waiting out a slow round must not look like lost work"
+            )

@@ -125,6 +125,8 @@ class StageService:
             and 0 < len(msg.peer_id) <= 128
             and 0 <= msg.epoch < 2**62
             and 0 <= msg.samples < 2**40
+            and 0 <= msg.admitted < 2**40
+            and 0 <= msg.admitted_next < 2**40
             and len(msg.address) <= 300
             and (not msg.address or msg.address.rpartition(":")[2].isdigit())
         )
@@ -162,15 +164,20 @@ class StageService:
         self.active_calls += 1
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await read_call(
-                raw_frames, limits
-            )  # raw frames: swarm.protocol.frames parses them, one payload copy
+            # raw frames: swarm.protocol.frames parses them, one payload copy
+            call = await read_call(raw_frames, limits)
             tag = None
             if self.schema.is_first and not backward and not call.meta.inference:
-                tag = await collab.admit(self._samples(call))  # the global batch this microbatch joins
+                n = self._samples(call)
+                tag = await collab.admit(n, deadline)  # the global batch this microbatch joins
             elif call.meta.HasField("admitted_at"):
                 await collab.observe(call.meta.admitted_at)
-            reply = await worker.submit(lambda: self._compute(call, backward, tag), deadline, request=True)
+            try:
+                reply = await worker.submit(lambda: self._compute(call, backward, tag), deadline, request=True)
+            except BaseException:
+                if tag is not None:  # admitted but never computed: it will not come back
+                    collab.release(tag[0], n)
+                raise
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:

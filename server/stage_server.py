@@ -194,6 +194,7 @@ class StageServer:
         """Stop serving the current stage without losing work: see the class docstring."""
         worker, collab, service, cfg = self.worker, self.collab, self.service, self.cfg
         service.pause(reason)
+        await collab.stop_admitting()
         await self.endpoint.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + cfg.network.drain_timeout
         while service.active_calls and time.monotonic() < deadline:
@@ -248,7 +249,7 @@ class StageServer:
                 "stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
                 "queue %d, rejected %d, all-reduce %.1f MB",
                 self.stage,
-                w.param_version,
+                w.epoch,
                 w.samples_processed,
                 w.throughput,
                 self.load.demand,
@@ -289,6 +290,7 @@ class StageServer:
             return
         was_serving, self.state = self.serving, PeerState.STOPPED
         logger.info("stage %d: shutting down, draining up to %.0fs", self.stage, cfg.network.drain_timeout)
+        await self.collab.stop_admitting()
         await self.endpoint.health.enter_graceful_shutdown()
         try:
             await asyncio.wait_for(self.sdht.withdraw(self.record(), cfg.network.record_ttl), 3)

@@ -113,10 +113,11 @@ class StageWorker:
         self.compute = ComputeThread(f"stage{stage.index}-compute")
         self.queue_length = 0
         self.param_version = 0  # optimizer steps taken
-        self.epoch = 0  # global batches finished: param_version, plus one while a delayed step is pending
+        self.epoch = 0  # global batches finished; ahead of param_version by a pending delayed step or stepless epochs
         self.samples_processed = 0
         self.samples_accumulated = 0  # towards the current epoch
         self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
+        self.samples_late = 0  # in the current epoch's gradients but not its count: microbatches of ended epochs
         self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
         # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
@@ -156,10 +157,13 @@ class StageWorker:
         global_batch: int | None = None,
     ) -> BackwardResult:
         """Compute thread only. Adds this microbatch's gradients to the epoch's, or to the next epoch's if it belongs
-        to a later `global_batch` (admitted early). `forward_version`: the param_version that served this microbatch's
-        forward; the recomputed forward uses those parameters if they are stashed."""
+        to a later `global_batch` (admitted early). A microbatch of an earlier global batch (late: the epoch ended
+        without it) joins the current epoch's gradients without counting towards its end. `forward_version`: the
+        param_version that served this microbatch's forward; the recomputed forward uses those parameters if they
+        are stashed."""
         n = inputs.shape[0]
         early = global_batch is not None and global_batch > self.epoch
+        late = global_batch is not None and global_batch < self.epoch
         stashed = None
         if forward_version is not None and forward_version != self.param_version:
             stashed = self._stash.get(forward_version)
@@ -172,6 +176,8 @@ class StageWorker:
         self.samples_processed += n
         if early:
             self.samples_next += n
+        elif late:
+            self.samples_late += n
         else:
             self.samples_accumulated += n
         self.microbatches_processed += 1
@@ -225,21 +231,35 @@ class StageWorker:
     def take_gradients(self, end_epoch: bool = False) -> tuple[list[torch.Tensor], int]:
         """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh.
         `end_epoch`: the next backward counts towards the next epoch (delayed steps: the step comes later)."""
-        n = self.samples_accumulated
+        n = self.samples_accumulated + self.samples_late
         grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
         for p, early in zip(self.params, self._next_grads, strict=True):
             p.grad = early
         self._next_grads = [None] * len(self.params)
-        self.samples_accumulated, self.samples_next = self.samples_next, 0
+        self.samples_accumulated, self.samples_next, self.samples_late = self.samples_next, 0, 0
         if end_epoch:
             with self.state_lock:
                 self.epoch += 1
         return grads, n
 
+    def skip_to(self, epoch: int) -> None:
+        """Compute thread only. Move on to `epoch` without a step (the epochs in between had no samples here); the
+        gradients accumulated towards the current epoch carry over."""
+        with self.state_lock:
+            if epoch > self.epoch:
+                for p, early in zip(self.params, self._next_grads, strict=True):
+                    if early is not None:
+                        p.grad = early if p.grad is None else p.grad.add_(early)
+                self._next_grads = [None] * len(self.params)
+                self.samples_accumulated, self.samples_next = self.samples_accumulated + self.samples_next, 0
+                self.epoch = epoch
+
     def drop_gradients(self) -> None:
         """Compute thread only. Forget every accumulated gradient, this epoch's and the next's."""
-        self.take_gradients()
-        self.take_gradients()
+        for p in self.params:
+            p.grad = None
+        self._next_grads = [None] * len(self.params)
+        self.samples_accumulated = self.samples_next = self.samples_late = 0
 
     @torch.no_grad()
     def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:

@@ -89,8 +89,8 @@ def to_argv(cfg: Any, base: Any = None, changed_only: bool = True, prefix: str =
             out.append(flag if value else "--no-" + flag[2:])
         elif typing.get_origin(typ) in (list, tuple):
             out += [flag, *map(str, value)]
-        elif value is None and _default(f) is None:
-            continue  # left at its default: there is no flag for None
+        elif value is None and (_default(f) if base is None else getattr(base, f.name)) is None:
+            continue  # as in the base: there is no flag for None
         elif value is None:
             raise ValueError(f"{flag}: None has no command-line form (leave it at its default)")
         else:

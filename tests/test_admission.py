@@ -2,67 +2,93 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from server.collab.admission import Admission, Decision
 from server.collab.progress import StagePeers
 from swarm.protocol import wire_pb2 as pb
 
 
-def peers_of_stage0(*others: str) -> StagePeers:
-    peers = StagePeers(SimpleNamespace(peer_id="me"), stage=0, peer_timeout=1.0)  # type: ignore[arg-type]
+def stage0_peer(me: str, *others: str, quota: int = 32, lookahead: int = 0) -> Admission:
+    peers = StagePeers(SimpleNamespace(peer_id=me), stage=0, peer_timeout=1.0)  # type: ignore[arg-type]
     peers.peers = {p: f"127.0.0.1:{i + 1}" for i, p in enumerate(others)}
-    return peers
+    return Admission(peers, quota=quota, lookahead=lookahead)
 
 
-def report(peers: StagePeers, peer: str, epoch: int, admitted: int, admitted_next: int = 0) -> None:
-    peers.record(pb.StageProgress(peer_id=peer, epoch=epoch, admitted=admitted, admitted_next=admitted_next))
+def report(admission: Admission, peer: str, epoch: int, admitted: int, admitted_next: int = 0, admitting=True):
+    admission.peers.record(
+        pb.StageProgress(
+            peer_id=peer,
+            epoch=epoch,
+            admitted=admitted,
+            admitted_next=admitted_next,
+            stopped_admitting=not admitting,
+        )
+    )
 
 
 def admit_all(admission: Admission, epoch: int, n: int) -> list:
     """Admit microbatches of `n` samples until told otherwise; returns the batches they joined, then the decision."""
     placed = []
-    while isinstance(where := admission.place(epoch), int):
+    while isinstance(where := admission.place(epoch, n), int):
         admission.record(where, n, epoch)
         placed.append(where)
     return [*placed, where]
 
 
 def test_alone_a_peer_admits_the_global_batch_then_waits():
-    admission = Admission(peers_of_stage0(), quota=32, lookahead=0)
+    admission = stage0_peer("me")
     assert admit_all(admission, 0, 8) == [0, 0, 0, 0, Decision.WAIT]
     assert admit_all(admission, 1, 8) == [1, 1, 1, 1, Decision.WAIT], "the next epoch opens a new batch"
 
 
 def test_lookahead_admits_part_of_the_next_batch_early():
-    admission = Admission(peers_of_stage0(), quota=32, lookahead=16)
+    admission = stage0_peer("me", lookahead=16)
     assert admit_all(admission, 0, 8) == [0, 0, 0, 0, 1, 1, Decision.WAIT]
     assert admit_all(admission, 1, 8) == [1, 1, 2, 2, Decision.WAIT], "the early ones count towards their batch"
 
 
-def test_two_peers_admitting_at_once_never_overfill_the_batch():
-    """Each reserves the other's share before it knows what the other admitted: no overshoot even with no messages."""
-    a, b = peers_of_stage0("b"), peers_of_stage0("me")
-    a_admission, b_admission = Admission(a, quota=32, lookahead=0), Admission(b, quota=32, lookahead=0)
-    placed_a, placed_b = admit_all(a_admission, 0, 8), admit_all(b_admission, 0, 8)
-    assert placed_a[:-1] == placed_b[:-1] == [0, 0], (placed_a, placed_b)
-    assert placed_a[-1] is placed_b[-1] is Decision.REFUSE, "neither knows yet that the other is full"
-    report(a, "b", epoch=0, admitted=16)
-    assert a_admission.place(0) is Decision.WAIT, "now it knows: the batch is complete"
+@pytest.mark.parametrize("n_peers, batch", [(2, 8), (3, 8), (2, 12), (3, 12), (4, 5), (1, 12)])
+def test_peers_admitting_at_once_fill_the_batch_and_overfill_it_by_less_than_a_microbatch(n_peers, batch):
+    """Every peer admits before it hears of the others (the start of every epoch), then they exchange counts; the
+    batch ends up complete, and overfilled by less than one microbatch (the batch must reach the quota to end)."""
+    names = [f"p{i}" for i in range(n_peers)]
+    peers = {me: stage0_peer(me, *(p for p in names if p != me)) for me in names}
+    for _ in range(4):  # rounds: everyone admits what it may, then everyone tells everyone
+        for admission in peers.values():
+            admit_all(admission, 0, batch)
+        for me, admission in peers.items():
+            for other in names:
+                if other != me:
+                    report(admission, other, 0, peers[other].admitted.get(0, 0))
+    total = sum(a.admitted.get(0, 0) for a in peers.values())
+    assert 32 <= total < 32 + batch, {me: a.admitted for me, a in peers.items()}
+    assert all(a.place(0, batch) is Decision.WAIT for a in peers.values())
 
 
 def test_a_full_share_refuses_while_another_peer_has_room():
     """The trainer takes a refused microbatch to another peer of stage 0 at once."""
-    peers = peers_of_stage0("b")
-    admission = Admission(peers, quota=32, lookahead=0)
-    report(peers, "b", epoch=0, admitted=8)
+    admission = stage0_peer("me", "b")  # "b" < "me": b holds the remainder
+    report(admission, "b", epoch=0, admitted=8)
     assert admit_all(admission, 0, 8) == [0, 0, Decision.REFUSE]
-    report(peers, "b", epoch=0, admitted=16)
-    assert admission.place(0) is Decision.WAIT
+    report(admission, "b", epoch=0, admitted=16)
+    assert admission.place(0, 8) is Decision.WAIT
 
 
 def test_a_peer_that_stopped_admitting_releases_its_share():
-    """A peer that trainers no longer send Forwards to (banned, paused) must not hold half of every batch."""
-    peers = peers_of_stage0("idle")
-    report(peers, "idle", epoch=0, admitted=0)
-    admission = Admission(peers, quota=32, lookahead=0)
-    assert admit_all(admission, 0, 8)[:-1] == [0, 0], "a peer we just met reserves its share"
+    """A peer that trainers no longer send Forwards to (banned), or that leaves the stage, must not hold part of
+    every batch."""
+    admission = stage0_peer("me", "idle")
+    report(admission, "idle", epoch=0, admitted=0)
+    assert admit_all(admission, 0, 8)[:-1] == [0, 0], "a peer we just met holds its share"
     assert admit_all(admission, 3, 8) == [3, 3, 3, 3, Decision.WAIT], "two epochs on, it has admitted nothing"
+    leaving = stage0_peer("me", "leaving")
+    report(leaving, "leaving", epoch=0, admitted=8, admitting=False)
+    assert admit_all(leaving, 0, 8) == [0, 0, 0, Decision.WAIT], "it said it no longer admits: its 8 stay counted"
+
+
+def test_a_released_admission_makes_room_again():
+    admission = stage0_peer("me")
+    admit_all(admission, 0, 8)
+    admission.release(0, 8)  # e.g. the request expired in the queue before it was computed
+    assert admission.place(0, 8) == 0

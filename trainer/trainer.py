@@ -36,6 +36,15 @@ LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
 INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
 
 
+def _admission_refused(e: Exception) -> bool:
+    """Stage 0's admission turned the Forward away: it belongs on another peer of stage 0 (server/collab/admission.py)."""
+    return (
+        isinstance(e, grpc.aio.AioRpcError)
+        and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and (e.details() or "").startswith("admission:")
+    )
+
+
 class MicrobatchLost(Exception):
     """A stage call failed on `max_retries` peers."""
 
@@ -182,7 +191,7 @@ class Trainer:
                     admission=admission,
                 )
             except (TimeoutError, grpc.aio.AioRpcError, WireError) as e:
-                if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if stage == 0 and method == "Forward" and _admission_refused(e):
                     # stage 0's admission: this peer's share of the global batch is full and another peer's is not;
                     # not a failure of the peer: no ban, no attempt
                     refused.add(peer_id)

@@ -1,11 +1,15 @@
 """Stage 0's admission: which global batch a microbatch belongs to, decided when stage 0 admits its Forward.
 
 Stage 0 admits `quota` (--samples-per-step) samples per epoch, plus at most `lookahead` samples of the next epoch,
-and holds further Forwards until the epoch has stepped. Its peers split that quota: each admits up to an equal
-share, and reserves a share for every other peer that admits work, unless that peer's messages say it admitted more
-(a peer that trainers stopped sending Forwards to stops reserving after an epoch). So simultaneous admissions on
-several peers never overfill an epoch. When our share is full but the epoch, as far as we know, is not, the Forward
-belongs on another peer: `place` says so and the trainer retries there at once.
+and holds further Forwards until the epoch has stepped. Its peers split that quota without waiting for each other:
+- each admits microbatches while its own total stays within an equal share;
+- one of them, the smallest peer id among those admitting (the remainder's holder), also takes what the shares leave
+  (they rarely divide into whole microbatches), as long as the batch is not complete counting every other peer at its
+  share, or at what it admitted if that is more or if no further microbatch fits in its share;
+- the last microbatch may overfill the batch by less than its own size: the batch must reach the quota to end.
+Peers that trainers stopped sending Forwards to, and peers that said they no longer admit (leaving the stage), hold
+no share. When our share is full but the batch, as far as we know, is not, the Forward belongs on another peer:
+`place` says so and the trainer retries there at once.
 
 Event loop only: it reads the peers' counts that StagePeers keeps and keeps our own.
 """
@@ -27,12 +31,12 @@ class Admission:
         self.peers, self.quota, self.lookahead = peers, quota, lookahead
         self.admitted: dict[int, int] = {}  # epoch -> samples we admitted towards it
 
-    def place(self, epoch: int) -> int | Decision:
-        """For a new microbatch while stage 0 is at `epoch`: the global batch it joins (this epoch's, or the next one's
-        within the lookahead), or what to do instead."""
-        if self._has_room(epoch, self.quota):
+    def place(self, epoch: int, n: int) -> int | Decision:
+        """For a microbatch of `n` samples while stage 0 is at `epoch`: the global batch it joins (this epoch's, or
+        the next one's within the lookahead), or what to do instead."""
+        if self._has_room(epoch, self.quota, n):
             return epoch
-        if self._has_room(epoch + 1, self.lookahead):
+        if self._has_room(epoch + 1, self.lookahead, n):
             return epoch + 1
         if self._full(epoch, self.quota) and self._full(epoch + 1, self.lookahead):
             return Decision.WAIT
@@ -43,6 +47,11 @@ class Admission:
         self.admitted[batch] = self.admitted.get(batch, 0) + n
         for old in [e for e in self.admitted if e < epoch]:
             del self.admitted[old]
+
+    def release(self, batch: int, n: int) -> None:
+        """An admitted microbatch failed before it was computed (refused, expired): it will not come back."""
+        if batch in self.admitted:
+            self.admitted[batch] = max(self.admitted[batch] - n, 0)
 
     def counts(self, epoch: int) -> tuple[int, int]:
         """What our progress messages report: samples we admitted towards `epoch` and towards the next one."""
@@ -55,8 +64,21 @@ class Admission:
     def _full(self, epoch: int, limit: int) -> bool:
         return self.total(epoch) >= limit
 
-    def _has_room(self, epoch: int, limit: int) -> bool:
+    def _has_room(self, epoch: int, limit: int, n: int) -> bool:
         claimants = self.peers.admitting(epoch)
+        # what peers that no longer admit did admit stays counted; the rest is split
+        limit -= sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers if p not in claimants)
+        if limit <= 0:
+            return False
         share = limit / (1 + len(claimants))
-        reserved = sum(max(self.peers.admitted_by(p, epoch), share) for p in claimants)
-        return self.admitted.get(epoch, 0) + reserved < limit
+        own = self.admitted.get(epoch, 0)
+        if own + n <= share:
+            return True
+        if min([*claimants, self.peers.sdht.peer_id]) != self.peers.sdht.peer_id:
+            return False  # the remainder is another peer's
+
+        def reserved(peer: str) -> float:
+            known = self.peers.admitted_by(peer, epoch)
+            return known if known + n > share else max(known, share)
+
+        return own + sum(reserved(p) for p in claimants) < limit

@@ -23,6 +23,7 @@ from server.collab.hivemind_compat import StrictAverager, start_in_background
 from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole
+from swarm.protocol.rpc import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +64,18 @@ class GradientAveraging:
         self,
         grads: list[torch.Tensor],
         n_samples: int,
+        group: int,
         label: str,
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
-        every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
-        `retry_grace` seconds for that to become known before retrying."""
+        every other peer and not for us: nobody is left to retry with). `group`: the stage's peers we know of, us
+        included; the round starts as soon as they have all joined. After a failed attempt, wait up to `retry_grace`
+        seconds for that to become known before retrying."""
         started = time.monotonic()
         result = None
+        self.averager.expect_group(group)
         while result is None and time.monotonic() - started < self.cfg.averaging_timeout and not finished_without_us():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 for buf, g in zip(buffers, grads, strict=True):
@@ -89,7 +93,7 @@ class GradientAveraging:
                 control.cancel()
                 logger.warning("all-reduce attempt failed: %r", e)
                 # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
-                # round trip; a retry without them would wait the whole --averaging-timeout for a group (measured).
+                # round trip; a retry without them would wait the whole --averaging-timeout for a group.
                 # Do not start one and cancel it instead: hivemind may still run a cancelled step with a later group.
                 grace = time.monotonic() + retry_grace
                 while time.monotonic() < grace and not finished_without_us():
@@ -116,12 +120,14 @@ class ParameterAveraging:
     whose optimizers round differently (devices of different kinds), which identical averaged gradients alone do not
     keep equal. Compute thread."""
 
-    def __init__(self, averager: DecentralizedAverager, cfg: AveragingConfig, codec: Codec):
+    def __init__(self, averager: StrictAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.bytes = 0
 
-    def average(self, worker: StageWorker) -> None:
-        """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
+    def average(self, worker: StageWorker, group: int) -> None:
+        """Replaces the worker's parameters with the group's mean (`group` peers, us included); keeps them if nobody
+        answers."""
+        self.averager.expect_group(group)
         with self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.params, strict=False):
                 buf.copy_(p.detach())
@@ -180,7 +186,7 @@ def build_averaging(
     worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: AveragingConfig, policy: CompressionPolicy
 ) -> Averaging:
     """Build anywhere; `Averaging.launch` on the main thread (hivemind's averagers are forked processes)."""
-    prefix = f"{sdht.swarm_name}_stage{stage}"
+    prefix = f"{sdht.swarm_name}_v{PROTOCOL_VERSION}_stage{stage}"  # peers of another protocol never average with us
     common = dict(
         dht=sdht.dht,
         start=False,

@@ -38,13 +38,21 @@ class Collaboration(Protocol):
 
     async def after_backward(self) -> None: ...
 
-    async def admit(self, n: int) -> tuple[int, int]:
+    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
         """Stage 0, before a Forward of `n` samples that a Backward will follow: wait for room in a global batch.
         Returns (the global batch it joins, the epoch now)."""
         ...
 
     async def observe(self, admitted_at: int) -> None:
         """Before any call of a microbatch that stage 0 admitted at its epoch `admitted_at`."""
+        ...
+
+    def release(self, batch: int, n: int) -> None:
+        """Stage 0: an admitted microbatch of `n` samples failed before it was computed."""
+        ...
+
+    async def stop_admitting(self) -> None:
+        """Stage 0: this peer is leaving the stage; it admits no more Forwards."""
         ...
 
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
@@ -88,10 +96,16 @@ class LocalSteps:
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         return None
 
-    async def admit(self, n: int) -> tuple[int, int]:
+    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
         return self.epoch, self.epoch  # one peer, stepping when it has the global batch: nothing to coordinate
 
     async def observe(self, admitted_at: int) -> None:
+        pass
+
+    def release(self, batch: int, n: int) -> None:
+        pass
+
+    async def stop_admitting(self) -> None:
         pass
 
     def _step(self) -> None:

@@ -37,7 +37,7 @@ from server.collab.hivemind_compat import check_version
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
-from server.worker import StageWorker
+from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 
@@ -76,6 +76,7 @@ class StageCollaboration:
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.phase = Phase.ACCUMULATING
+        self.admitting = True  # stage 0: False once the peer is leaving the stage
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
         self.diverged = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
@@ -133,6 +134,7 @@ class StageCollaboration:
 
     async def stop(self) -> None:
         self.phase = Phase.STOPPED
+        self._admission.set()  # waiting admissions see the stop and refuse
         pending = [t for t in (self._poller, *self._tasks) if t is not None]
         for task in pending:
             task.cancel()
@@ -145,9 +147,13 @@ class StageCollaboration:
         """Before leaving the stage (no new work arrives): wait until our gradients went into an all-reduce, i.e. the
         stage's current epoch ended. Returns the samples whose gradients are dropped because it did not end in time."""
         deadline = time.monotonic() + timeout
-        while (self.worker.samples_accumulated > 0 or self.busy) and time.monotonic() < deadline:
+
+        def pending() -> int:
+            return self.worker.samples_accumulated + self.worker.samples_next
+
+        while (pending() > 0 or self.busy) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        return self.worker.samples_accumulated
+        return pending()
 
     # --- the epoch protocol ----------------------------------------------------------------------------------------
 
@@ -178,50 +184,76 @@ class StageCollaboration:
         return pb.ProgressAck(epoch=self.epoch)
 
     def _spawn(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+        task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)
         self._tasks.add(task)  # asyncio keeps only weak references to tasks
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.warning("ending the epoch failed: %r", task.exception())
+            logger.warning("%s failed: %r", task.get_name(), task.exception())
 
     async def _broadcast(self, end_epoch: bool) -> None:
-        epoch = self.epoch
-        await self.peers.broadcast(epoch, self.worker.samples_accumulated, end_epoch, self.admission.counts(epoch))
+        while True:  # the compute thread may end the epoch between the two reads: read both from the same epoch
+            epoch, samples = self.epoch, self.worker.samples_accumulated
+            if self.epoch == epoch:
+                break
+        await self.peers.broadcast(epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting)
 
-    async def admit(self, n: int) -> tuple[int, int]:
-        """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait until a global batch
-        has room (server/collab/admission.py). Returns (the global batch it joins, our epoch now)."""
+    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
+        """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
+        monotonic time) for a global batch with room (server/collab/admission.py). Returns (the global batch it joins,
+        our epoch now). Raises AdmissionRefused when the microbatch belongs on another peer of stage 0."""
         while True:
-            placed = self.admission.place(self.epoch)
+            epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
+            if not self.admitting or self.phase is Phase.STOPPED:
+                raise AdmissionRefused("admission: this peer of stage 0 is leaving the stage")
+            placed = self.admission.place(epoch, n)
             if placed is Decision.REFUSE:
                 raise AdmissionRefused(
-                    f"stage 0 admits its share of global batch {self.epoch} on each of its peers; this peer's share "
-                    f"is full and another peer's is not"
+                    f"admission: stage 0 admits its share of global batch {epoch} on each of its peers; this peer's "
+                    f"share is full and another peer's is not"
                 )
             if placed is not Decision.WAIT:
                 break
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExpired
             self._admission.clear()
             try:
                 await asyncio.wait_for(self._admission.wait(), self.cfg.progress_period)
             except TimeoutError:
                 pass
         assert isinstance(placed, int)
-        self.admission.record(placed, n, self.epoch)
+        self.admission.record(placed, n, epoch)
         if self.peers.peers:  # the other peers of stage 0 count our admissions
             self._spawn(self._broadcast(end_epoch=False))
-        return placed, self.epoch
+        return placed, epoch
+
+    def release(self, batch: int, n: int) -> None:
+        """Event loop: a microbatch admitted into `batch` failed before it was computed; it will not come back."""
+        self.admission.release(batch, n)
+        if self.peers.peers:
+            self._spawn(self._broadcast(end_epoch=False))
+
+    async def stop_admitting(self) -> None:
+        """Event loop: this peer leaves the stage; its stage-0 peers stop holding a share of each batch for it."""
+        self.admitting = False
+        self._admission.set()
+        await self._broadcast(end_epoch=False)
 
     async def observe(self, admitted_at: int) -> None:
         """Event loop, before a call of a microbatch that stage 0 admitted at its epoch `admitted_at`: stage 0 had then
         finished every epoch before it, so every microbatch of ours before it has passed us too. If we are still in
-        such an epoch, end it now (before the call runs: the step is a control job and goes first)."""
-        if admitted_at > self.epoch and self.phase is Phase.ACCUMULATING:
-            logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, self.epoch)
-            await self._broadcast(end_epoch=True)
-            self._spawn(self._end_epoch_once(self.epoch))
+        such an epoch, end it now (before the call runs: the step is a control job and goes first). A peer several
+        epochs behind (restarted from a checkpoint with the stage's other peers gone) skips the epochs that have no
+        samples of its own."""
+        epoch = self.epoch
+        if admitted_at <= epoch or self.phase is not Phase.ACCUMULATING:
+            return
+        logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
+        await self._broadcast(end_epoch=True)
+        if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
+            self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at))
             await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
 
     async def _poll_forever(self) -> None:
@@ -282,7 +314,8 @@ class StageCollaboration:
         )
         return True
 
-    async def _end_epoch_once(self, epoch: int) -> None:
+    async def _end_epoch_once(self, epoch: int, skip_to: int | None = None) -> None:
+        """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe)."""
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
             return
         logger.debug("ending epoch %d", epoch)
@@ -291,8 +324,10 @@ class StageCollaboration:
         n_peers = self.peers.group_size(epoch)
         try:
             if not self.cfg.delay_optimizer_step:
-                await self.worker.submit(lambda: self._average_and_step(n_peers))
+                await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
             else:
+                # the epoch moves on now and the step lands later: a peer that took our state meanwhile would miss it
+                self.averaging.state.allow_state_sharing = False
                 grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
                 # peers report the next epoch while this one is still being averaged in the background
                 averaged = await asyncio.get_running_loop().run_in_executor(
@@ -302,6 +337,7 @@ class StageCollaboration:
                     averaged, self.diverged = grads, True
                 if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
                     await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
+                self.averaging.state.allow_state_sharing = True
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
@@ -319,17 +355,21 @@ class StageCollaboration:
         return self.averaging.gradients.average(
             grads,
             n,
+            n_peers,
             label=f"stage {self.stage} epoch {epoch}",
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
         )
 
-    def _average_and_step(self, n_peers: int) -> None:
+    def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:
         """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
         epoch = self.epoch
-        grads, n = self.worker.take_gradients()
-        if n == 0 and n_peers <= 1:  # our peers are gone (a count we were told died with them): nothing to step on
+        if n_peers <= 1 and self.worker.samples_accumulated + self.worker.samples_late == 0:
+            # alone with nothing to step on (our peers' counts died with them, or stage 0 moved on without us): the
+            # epoch ends without a step, and so do the empty ones stage 0 has already finished
+            self.worker.skip_to(max(epoch + 1, skip_to or 0))
             return
+        grads, n = self.worker.take_gradients()
         averaged = self._average(grads, n, n_peers, epoch, True)
         if averaged is None:
             averaged = self.recovery.after_failed_round(grads, n)
@@ -337,6 +377,8 @@ class StageCollaboration:
             self.worker.apply_gradients(averaged, end_epoch=True)
         if self.epoch == epoch:
             return
+        if n_peers <= 1 and skip_to is not None and skip_to > self.epoch:
+            self.worker.skip_to(skip_to)
         if (
             n_peers > 1
             and self.averaging_cfg.param_average_every > 0
@@ -345,7 +387,7 @@ class StageCollaboration:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
-            self.averaging.parameters.average(self.worker)
+            self.averaging.parameters.average(self.worker, n_peers)
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""

@@ -7,6 +7,7 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
   `compression`, `failed_size`), `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
   `banned_senders`: to hand every peer the same averaged values, and to fail a round with parts not averaged;
+- `DecentralizedAverager._matchmaking.target_group_size`: to start a round as soon as the stage's peers have joined;
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good.
@@ -21,7 +22,7 @@ import signal
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
@@ -57,8 +58,10 @@ class ExactAllReduceRunner(AllReduceRunner):
     hivemind's reducer of a part sends each sender the difference between the part's average and that sender's own
     (compressed) part, and each sender adds it to its exact local values: with a lossy codec every peer ends with a
     different average (its own compression error stays in it), and peers of a stage drift apart step after step. Here
-    the reducer sends the average itself, encoded once and identically for every sender, and keeps for its own part
-    exactly what it sends: the decoded average. The codec's error remains, but it is the same on every peer."""
+    the reducer sends the average itself, encoded by the same deterministic codec for every sender, and keeps for its
+    own part exactly what it sends: the decoded average. The codec's error remains, but it is the same on every
+    peer. Peers running hivemind's own runner would send differences: the averagers' DHT prefix carries the protocol
+    version, so they never meet."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -72,11 +75,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id != self.peer_id:  # a remote reducer: what it sends back is registered as it comes
             return await super()._communicate_with_peer(peer_id)
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_running_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, part, weight=self.weight
             )
-            self.tensor_part_container.register_processed_part(peer_index, part_index, self._as_sent(averaged))
+            as_sent = await loop.run_in_executor(None, self._as_sent, averaged)  # codec work off the event loop
+            self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """Reducer side: add each part a sender streams to the accumulator; answer with the part's average."""
@@ -122,8 +127,6 @@ class StrictAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            raise AllreduceException("stage peers average as full nodes, not as auxiliaries")
         if self._averaging_alpha != 1.0:
             raise ValueError("an exact all-reduce replaces tensors by the average: averaging_alpha must be 1")
         outputs = []
@@ -137,6 +140,16 @@ class StrictAverager(DecentralizedAverager):
             tensor.copy_(averaged)
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+    def expect_group(self, size: int) -> None:
+        """Any thread, before a step: its group assembles as soon as `size` peers have joined, instead of waiting out
+        min_matchmaking_time. A peer the caller does not know of may then be left out of the round: its own round
+        fails (hivemind needs two peers) and it copies the stage (server/collab/recovery.py)."""
+        self._outer_pipe.send(("_expect_group", [], dict(size=size)))
+
+    async def _expect_group(self, size: int) -> None:
+        """The averager's process; runs before a step sent after it (the pipe's messages start in order)."""
+        self._matchmaking.target_group_size = size
 
     def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Any thread. The state of one named peer of the stage, or None if it did not send one (it is not sharing,

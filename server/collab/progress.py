@@ -31,12 +31,18 @@ class StagePeers:
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
+        self._not_admitting: set[str] = set()  # stage 0 peers that said they admit no more Forwards
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def record(self, msg: pb.StageProgress) -> None:
-        """A stage peer's count (validated by the service)."""
-        self.view[msg.peer_id] = (int(msg.epoch), int(msg.samples))
+        """A stage peer's count (validated by the service). Messages can arrive out of order (each is its own RPC):
+        a peer's progress only moves forward."""
+        progress = (int(msg.epoch), int(msg.samples))
+        if progress >= self.view.get(msg.peer_id, progress):
+            self.view[msg.peer_id] = progress
+        if msg.stopped_admitting:
+            self._not_admitting.add(msg.peer_id)
         self._first_epoch.setdefault(msg.peer_id, int(msg.epoch))
         counts = self._counts.setdefault(int(msg.epoch), {})
         counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
@@ -57,7 +63,14 @@ class StagePeers:
         self.peers = {**missed, **listed}
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
 
-    async def broadcast(self, epoch: int, samples: int, end_epoch: bool, admitted: tuple[int, int] = (0, 0)) -> None:
+    async def broadcast(
+        self,
+        epoch: int,
+        samples: int,
+        end_epoch: bool,
+        admitted: tuple[int, int] = (0, 0),
+        stopped_admitting: bool = False,
+    ) -> None:
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -68,6 +81,7 @@ class StagePeers:
             address=self.address,
             admitted=admitted[0],
             admitted_next=admitted[1],
+            stopped_admitting=stopped_admitting,
         )
         await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
@@ -119,9 +133,12 @@ class StagePeers:
         return [
             p
             for p in self.peers
-            if self.admitted_by(p, epoch)
-            or self.admitted_by(p, epoch - 1)
-            or self._first_epoch.get(p, epoch) >= epoch - 1
+            if p not in self._not_admitting
+            and (
+                self.admitted_by(p, epoch)
+                or self.admitted_by(p, epoch - 1)
+                or self._first_epoch.get(p, epoch) >= epoch - 1
+            )
         ]
 
     def epochs_of(self) -> dict[str, int]:

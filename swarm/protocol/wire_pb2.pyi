@@ -124,7 +124,7 @@ class InfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class StageProgress(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_NEXT_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_ADMITTING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -143,7 +144,8 @@ class StageProgress(_message.Message):
     address: str
     admitted: int
     admitted_next: int
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ...) -> None: ...
+    stopped_admitting: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ("epoch",)

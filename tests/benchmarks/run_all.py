@@ -10,6 +10,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_pipeline | local swarm samples/s against the same stages in one process (wall time and per CPU-second) |
 | bench_routing | shares of microbatches of servers slowed 1x/2x/4x against their capacities; stage throughput |
 | bench_wan | relative throughput behind shaping proxies (wan_proxy.py): bandwidth x RTT x codec |
+| bench_quality | held-out loss of swarm-local configurations against one process trained on the same samples |
 
 Each prints its tables on stdout, progress on stderr, and writes `<out>/<name>.json` (hardware included); bench_wan
 also writes a PNG. Run them on an otherwise idle machine: wall-clock ratios are interleaved but not immune to load.
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = ("wire", "transport", "pipeline", "routing", "wan")
+BENCHMARKS = ("wire", "transport", "pipeline", "routing", "wan", "quality")
 WITH_DEVICE = ("wire", "pipeline")
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(BENCHMARKS)
     if unknown:
         p.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {BENCHMARKS}")
-    timeout = args.timeout or (600 if args.quick else 3600)
+    timeout = args.timeout or (900 if args.quick else 7200)
     status = {}
     for name in names:
         cmd = [sys.executable, "-m", f"tests.benchmarks.bench_{name}", "--out", args.out]
