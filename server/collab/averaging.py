@@ -64,18 +64,15 @@ class GradientAveraging:
         self,
         grads: list[torch.Tensor],
         n_samples: int,
-        group: int,
         label: str,
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
-        every other peer and not for us: nobody is left to retry with). `group`: the stage's peers we know of, us
-        included; the round starts as soon as they have all joined. After a failed attempt, wait up to `retry_grace`
-        seconds for that to become known before retrying."""
+        every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
+        `retry_grace` seconds for that to become known before retrying."""
         started = time.monotonic()
         result = None
-        self.averager.expect_group(group)
         while result is None and time.monotonic() - started < self.cfg.averaging_timeout and not finished_without_us():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 for buf, g in zip(buffers, grads, strict=True):
@@ -124,10 +121,8 @@ class ParameterAveraging:
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.bytes = 0
 
-    def average(self, worker: StageWorker, group: int) -> None:
-        """Replaces the worker's parameters with the group's mean (`group` peers, us included); keeps them if nobody
-        answers."""
-        self.averager.expect_group(group)
+    def average(self, worker: StageWorker) -> None:
+        """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
         with self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.params, strict=False):
                 buf.copy_(p.detach())

@@ -355,7 +355,6 @@ class StageCollaboration:
         return self.averaging.gradients.average(
             grads,
             n,
-            n_peers,
             label=f"stage {self.stage} epoch {epoch}",
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
@@ -387,7 +386,7 @@ class StageCollaboration:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
-            self.averaging.parameters.average(self.worker, n_peers)
+            self.averaging.parameters.average(self.worker)
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""

@@ -7,7 +7,6 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
   `compression`, `failed_size`), `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
   `banned_senders`: to hand every peer the same averaged values, and to fail a round with parts not averaged;
-- `DecentralizedAverager._matchmaking.target_group_size`: to start a round as soon as the stage's peers have joined;
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good.
@@ -140,16 +139,6 @@ class StrictAverager(DecentralizedAverager):
             tensor.copy_(averaged)
         self.last_updated = get_dht_time()
         self._state_updated.set()
-
-    def expect_group(self, size: int) -> None:
-        """Any thread, before a step: its group assembles as soon as `size` peers have joined, instead of waiting out
-        min_matchmaking_time. A peer the caller does not know of may then be left out of the round: its own round
-        fails (hivemind needs two peers) and it copies the stage (server/collab/recovery.py)."""
-        self._outer_pipe.send(("_expect_group", [], dict(size=size)))
-
-    async def _expect_group(self, size: int) -> None:
-        """The averager's process; runs before a step sent after it (the pipe's messages start in order)."""
-        self._matchmaking.target_group_size = size
 
     def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """Any thread. The state of one named peer of the stage, or None if it did not send one (it is not sharing,
