@@ -47,7 +47,7 @@ def load_checkpoint(worker: StageWorker, directory: str | Path) -> int | None:
     stage = worker.stage.index
     if not state_path(directory, stage).exists():
         return None
-    saved = torch.load(state_path(directory, stage), weights_only=False)
+    saved = torch.load(state_path(directory, stage), weights_only=True)  # a crafted file cannot run code
     weights = load_file(str(weights_path(directory, stage)))
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     tensors = [weights[name] for name in names] + saved["tensors"][len(names) :]

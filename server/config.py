@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swarm.compression import CODECS
+from swarm.protocol.tensors import FP16_MAX
 from swarm.rebalance import RebalanceConfig
 
 SECTION = {"prefix": ""}  # a section's flags are not prefixed with its name
@@ -76,6 +77,48 @@ class ComputeConfig:
             raise ValueError(f"--stash-versions must be >= 0, got {self.stash_versions}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """What the stage refuses, whoever sends it (see server/guard.py)."""
+
+    max_activation: float = field(
+        default=FP16_MAX,
+        metadata={
+            "help": "largest |value| accepted or sent in hidden states and their gradients (default: the fp16 "
+            "maximum); a request beyond it gets INVALID_ARGUMENT"
+        },
+    )
+    grad_outlier_factor: float = field(
+        default=20.0,
+        metadata={
+            "help": "refuse a microbatch whose parameter-gradient norm exceeds N x the median of the last 64 accepted "
+            "ones (after 16; 0: refuse only non-finite gradients)"
+        },
+    )
+
+    max_active_calls: int = field(
+        default=256,
+        metadata={
+            "help": "Forward/Backward calls held at once (arriving, queued or computing); more get RESOURCE_EXHAUSTED"
+        },
+    )
+    max_buffered_mb: float = field(
+        default=0.0,
+        metadata={
+            "help": "request payload held at once, in MiB, across all calls; more gets RESOURCE_EXHAUSTED (0: 4 x the "
+            "stage's largest request, at least 64)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_active_calls < 1 or self.max_buffered_mb < 0:
+            raise ValueError("--max-active-calls must be >= 1 and --max-buffered-mb >= 0")
+        if not 0 < self.max_activation < float("inf"):
+            raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
+        if not (self.grad_outlier_factor == 0 or 1 < self.grad_outlier_factor < float("inf")):
+            raise ValueError(f"--grad-outlier-factor must be 0 or > 1, got {self.grad_outlier_factor}")
 
 
 @dataclass(kw_only=True)
@@ -155,6 +198,7 @@ class ServerConfig:
     )
     network: NetworkConfig = field(default_factory=NetworkConfig, metadata=SECTION)
     compute: ComputeConfig = field(default_factory=ComputeConfig, metadata=SECTION)
+    guard: GuardConfig = field(default_factory=GuardConfig, metadata=SECTION)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=SECTION)
     epochs: EpochConfig = field(default_factory=EpochConfig, metadata=SECTION)
     averaging: AveragingConfig = field(default_factory=AveragingConfig, metadata=SECTION)

@@ -7,23 +7,26 @@ against the stage's schema after decoding (this module), and a bad request ends 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
 import torch
 
 from server.collab import AdmissionRefused, Collaboration
+from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.frames import Call, Limits, iter_frames, read_call
-from swarm.protocol.rpc import PROTOCOL_VERSION, stage_handler
-from swarm.protocol.tensors import WireError, decode_tensor, encode_tensor
+from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, read_call
+from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
+from swarm.protocol.tensors import FP16_MAX, WireError, check_values, decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +35,11 @@ class StageSchema:
     """What this stage accepts: token ids (B, T) for stage 0, hidden (B, T, D) float for the rest; grad_outputs of the
     stage's output shape; labels (B, T) in [0, vocab) for the last stage. B <= max_batch, T <= max_seq_len."""
 
-    def __init__(self, cfg: ModelConfig, stage: int, max_batch: int):
-        self.cfg, self.stage, self.max_batch = cfg, stage, max_batch
+    def __init__(self, cfg: ModelConfig, stage: int, max_batch: int, max_activation: float = FP16_MAX):
+        self.cfg, self.stage, self.max_batch, self.bound = cfg, stage, max_batch, max_activation
         self.is_first, self.is_last = stage == 0, stage == cfg.n_stages - 1
         hidden_bytes = max_batch * cfg.max_seq_len * cfg.d_model * 4
+        self.max_request_bytes = 2 * hidden_bytes  # a Backward: inputs and grad_outputs, uncompressed
         self.forward_limits = Limits(hidden_bytes, frozenset({"inputs"}))
         grad_name = "labels" if self.is_last else "grad_outputs"
         self.backward_limits = Limits(hidden_bytes, frozenset({"inputs", grad_name}))
@@ -51,7 +55,7 @@ class StageSchema:
                 x.ndim == 3 and x.shape[2] == self.cfg.d_model,
                 f"hidden states must be (batch, seq, {self.cfg.d_model}), got shape {list(x.shape)}",
             )
-            _check_finite(x, "inputs")
+            check_values(x, "inputs", self.bound)
         _expect(1 <= x.shape[0] <= self.max_batch, f"batch {x.shape[0]} outside [1, {self.max_batch}]")
         _expect(1 <= x.shape[1] <= self.cfg.max_seq_len, f"sequence {x.shape[1]} outside [1, {self.cfg.max_seq_len}]")
 
@@ -68,13 +72,23 @@ class StageSchema:
                 other.is_floating_point() and tuple(other.shape) == (B, T, self.cfg.d_model),
                 f"grad_outputs must be float {[B, T, self.cfg.d_model]}, got {other.dtype} {list(other.shape)}",
             )
-            _check_finite(other, "grad_outputs")
+            check_values(other, "grad_outputs", self.bound)
+
+
+MAX_READ_S = 120.0  # the longest a request may take to arrive
+DRAIN_S = 5.0  # the longest a refused request is read on
+MAX_STATUS_CHARS = 500  # status details travel in HTTP/2 trailers: a caller's oversized input must not make them fail
 
 
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """End the call with `code`: grpc's abort raises, so nothing after this runs."""
-    await context.abort(code, message)
+    """End the call with `code` and `message` (cut to MAX_STATUS_CHARS): grpc's abort raises, so nothing after this
+    runs."""
+    await context.abort(code, _short(message))
     raise AssertionError("unreachable: ServicerContext.abort raises")
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= MAX_STATUS_CHARS else message[: MAX_STATUS_CHARS - 15] + "... (truncated)"
 
 
 def _expect(ok: bool, message: str) -> None:
@@ -82,25 +96,32 @@ def _expect(ok: bool, message: str) -> None:
         raise WireError(message)
 
 
-def _check_finite(x: torch.Tensor, name: str) -> None:
-    # NaN propagates through max/min and an inf is one of them: two reductions instead of a full boolean tensor
-    _expect(x.numel() == 0 or bool(torch.isfinite(x.amax()) & torch.isfinite(x.amin())), f"{name} contains NaN or inf")
-
-
 def _check_ids(x: torch.Tensor, vocab: int, name: str) -> None:
     _expect(x.numel() == 0 or (int(x.min()) >= 0 and int(x.max()) < vocab), f"{name} must be token ids in [0, {vocab})")
 
 
 class StageService:
-    def __init__(self, worker: StageWorker, schema: StageSchema, collab: Collaboration):
+    def __init__(
+        self, worker: StageWorker, schema: StageSchema, collab: Collaboration, guard: GuardConfig | None = None
+    ):
         self.worker, self.schema, self.collab = worker, schema, collab
+        self.guard = guard or GuardConfig()
+        self.budget = ByteBudget(self._budget_bytes())
         self.requests_rejected = 0
+        self.requests_busy = 0  # turned away with RESOURCE_EXHAUSTED: too many calls or bytes held
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
         self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
+        self.max_read_s = MAX_READ_S
 
     def attach(self, worker: StageWorker, schema: StageSchema, collab: Collaboration) -> None:
         """Serve another stage (after a move) and accept work again."""
         self.worker, self.schema, self.collab, self.paused = worker, schema, collab, None
+        self.budget.limit = self._budget_bytes()
+
+    def _budget_bytes(self) -> int:
+        if self.guard.max_buffered_mb > 0:
+            return int(self.guard.max_buffered_mb * 2**20)
+        return max(4 * self.schema.max_request_bytes, 64 << 20)
 
     def pause(self, reason: str) -> None:
         """Turn new Forward/Backward calls away with UNAVAILABLE: trainers retry them on another peer of the stage.
@@ -149,10 +170,14 @@ class StageService:
             epoch=w.epoch,
             state_digest=await asyncio.to_thread(w.digest) if request.with_digest else "",
             requests_rejected=self.requests_rejected,
+            requests_busy=self.requests_busy,
             allreduce_bytes=self.collab.allreduce_bytes,
             backwards_at_stashed_version=w.backwards_at_stashed_version,
             backwards_past_stash=w.backwards_past_stash,
             compression=self.collab.policy.describe(),
+            gradients_rejected=w.guard.rejected,
+            steps_skipped=w.steps_skipped,
+            steps_rolled_back=w.steps_rolled_back,
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
@@ -160,12 +185,15 @@ class StageService:
             await refuse(context, grpc.StatusCode.UNAVAILABLE, self.paused)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
+        if self.active_calls >= self.guard.max_active_calls:
+            self.requests_busy += 1
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.active_calls} calls in progress")
         worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
         self.active_calls += 1
+        call: Call | None = None
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            # raw frames: swarm.protocol.frames parses them, one payload copy
-            call = await read_call(raw_frames, limits)
+            call = await self._read(raw_frames, limits, deadline)
             tag = None
             if self.schema.is_first and not backward and not call.meta.inference:
                 n = self._samples(call)
@@ -182,16 +210,53 @@ class StageService:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
             self.requests_rejected += 1
-            logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", e)
+            logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", _short(str(e)))
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except AdmissionRefused as e:
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Busy as e:
+            self.requests_busy += 1
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except DeadlineExpired:
-            await refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while queued; nothing computed")
+            await refuse(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before computing; nothing computed"
+            )
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception:  # a bug, not the caller's fault: say so briefly, never with a traceback
+            logger.exception("%s failed", "Backward" if backward else "Forward")
+            await refuse(context, grpc.StatusCode.INTERNAL, "internal error (see the server's log)")
         finally:
             self.active_calls -= 1
+            if call is not None:
+                self.budget.release(call.reserved)
         for frame in reply:
             yield frame
+
+    async def _read(self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None) -> Call:
+        """The request (swarm.protocol.frames parses the raw frames, one payload copy). A caller that sets no deadline,
+        or sends a header and then nothing, holds the call for `max_read_s` at most. A request refused while its
+        caller is still sending is read on (up to about its legitimate size) so that the caller gets the reason, not
+        a failed write."""
+        read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(read_call(raw_frames, limits, self.budget), read_for)
+        except TimeoutError:
+            raise DeadlineExpired from None
+        except (WireError, Busy):
+            budget = 2 * limits.max_tensor_bytes + CHUNK_BYTES
+
+            async def drain() -> None:
+                nonlocal budget
+                async for frame in raw_frames:
+                    budget -= len(frame)
+                    if budget < 0:
+                        return
+
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(drain(), max(0.0, min(read_for - (time.monotonic() - started), DRAIN_S)))
+            raise
 
     def _samples(self, call: Call) -> int:
         """The batch size of a call's inputs, from its header (the payload is decoded and checked later)."""
@@ -216,6 +281,7 @@ class StageService:
         )
         if not backward:
             outputs = self.worker.forward(inputs)
+            check_values(outputs, "this stage's outputs", schema.bound)
             tensors = [encode_tensor("outputs", outputs, codec)]
         else:
             other_name = "labels" if schema.is_last else "grad_outputs"

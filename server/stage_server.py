@@ -148,7 +148,7 @@ class StageServer:
         `prior_throughput`: our speed on the stage we came from; 0: measure it on a random microbatch now."""
         cfg = self.cfg
         module = await asyncio.to_thread(Stage, self.model_cfg, stage)
-        worker = StageWorker(module, cfg.optimizer, cfg.compute, self.device, prior_throughput)
+        worker = StageWorker(module, cfg.optimizer, cfg.compute, self.device, prior_throughput, cfg.guard)
         if not prior_throughput:
             await worker.submit(lambda: worker.calibrate(min(cfg.compute.max_batch_size, 8)))
         collab: Collaboration = (
@@ -156,7 +156,9 @@ class StageServer:
             if cfg.epochs.solo
             else StageCollaboration(worker, self.sdht, stage, cfg.epochs, cfg.averaging, cfg.network)
         )
-        self._active = ActiveStage(worker, collab, StageSchema(self.model_cfg, stage, cfg.compute.max_batch_size))
+        self._active = ActiveStage(
+            worker, collab, StageSchema(self.model_cfg, stage, cfg.compute.max_batch_size, cfg.guard.max_activation)
+        )
         await collab.launch()
         if self.state is not PeerState.MOVING:  # a move took the stage when it committed to it, before the boundary
             self.joined_at = get_dht_time()
@@ -166,7 +168,7 @@ class StageServer:
         if not joined and cfg.checkpoint.checkpoint_dir:
             await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir)
         if self._endpoint is None:
-            service = StageService(worker, self.active.schema, collab)
+            service = StageService(worker, self.active.schema, collab, cfg.guard)
             server, health_servicer, port = await start_stage_server(
                 service.handler(), cfg.network.host, cfg.network.port
             )

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
+import math
 import threading
 import time
 from collections import deque
@@ -24,12 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from server.config import ComputeConfig, OptimizerConfig
+from server.config import ComputeConfig, GuardConfig, OptimizerConfig
+from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
 from server.optim import build_optimizer, build_schedule
 from swarm.devices import synchronize
 from swarm.model import Stage
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
+from swarm.protocol.tensors import WireError, check_values
 
+logger = logging.getLogger(__name__)
 R = TypeVar("R")
 PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
 
@@ -38,6 +43,11 @@ def state_digest(tensors: list[torch.Tensor]) -> str:
     """Short fingerprint of a list of tensors: equal for bitwise-equal states, different otherwise (in practice)."""
     sums = torch.stack([t.detach().double().sum() for t in tensors]) if tensors else torch.zeros(1)
     return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists: a state that travelled through msgpack or JSON has lists where the optimizer has tuples."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 class DeadlineExpired(Exception):
@@ -100,12 +110,17 @@ class StageWorker:
         compute: ComputeConfig,
         device: torch.device,
         prior_throughput: float = 0.0,
+        guard: GuardConfig | None = None,
     ):
         """`prior_throughput` > 0: what `throughput` reports until PRIOR_UNTIL microbatches of this stage are measured
         (a peer that moved brings its speed on its previous stage instead of a fresh, noisier, one-off measurement)."""
         self.stage, self.device = stage.to(device).train(), device
         self.optim_cfg, self.compute_cfg = optimizer, compute
         self.prior_throughput = prior_throughput
+        self.guard_cfg = guard or GuardConfig()
+        self.guard = GradientGuard(self.guard_cfg.grad_outlier_factor)
+        self.steps_skipped = 0  # averaged gradients that were not finite: no step
+        self.steps_rolled_back = 0  # steps that left a parameter non-finite: undone
         self.params = [p for p in stage.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(optimizer.optimizer, self.params, optimizer.lr, optimizer.weight_decay)
         self.schedule = build_schedule(self.optimizer, optimizer.warmup_steps, optimizer.total_steps)
@@ -172,7 +187,9 @@ class StageWorker:
             else:
                 self.backwards_at_stashed_version += 1
         with self._timed("backward", n), self._parameters(stashed), self._next_epoch_gradients(early):
-            result = stage_backward(self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n)
+            result = stage_backward(
+                self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n, accept=self._accept
+            )
         self.samples_processed += n
         if early:
             self.samples_next += n
@@ -182,6 +199,16 @@ class StageWorker:
             self.samples_accumulated += n
         self.microbatches_processed += 1
         return result
+
+    def _accept(self, param_grads: list[torch.Tensor | None], grad_inputs: torch.Tensor | None) -> None:
+        """Compute thread. Raises GradientRejected for a microbatch whose gradients must not be accumulated."""
+        if grad_inputs is not None:
+            try:
+                check_values(grad_inputs, "grad_inputs", self.guard_cfg.max_activation)
+            except WireError as e:
+                self.guard.rejected += 1
+                raise GradientRejected(f"{e}; nothing accumulated") from e
+        self.guard.check(param_grads)
 
     @contextlib.contextmanager
     def _next_epoch_gradients(self, active: bool) -> Iterator[None]:
@@ -276,18 +303,45 @@ class StageWorker:
         finishes the current epoch (synchronous steps; a delayed step's epoch ended when its gradients were taken)."""
         with self.state_lock:
             saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
-            for p, g in zip(self.params, grads, strict=False):
-                p.grad = g.to(p.device, p.dtype)
-            self._stash_parameters()
-            if self.optim_cfg.clip_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm)
-            self.optimizer.step()
-            self.schedule.step()
-            for p, saved_grad in zip(self.params, saved, strict=False):
-                p.grad = saved_grad
-            self.param_version += 1
+            try:
+                for p, g in zip(self.params, grads, strict=False):
+                    p.grad = g.to(p.device, p.dtype)
+                self._checked_step()
+            finally:
+                for p, saved_grad in zip(self.params, saved, strict=False):
+                    p.grad = saved_grad
             if end_epoch:
                 self.epoch += 1
+
+    def _checked_step(self) -> None:
+        """Compute thread, under the state lock, with `.grad` set: clip and step, unless the gradients are not finite
+        (no step: counted in `steps_skipped`). A step that leaves a parameter non-finite is undone: the parameters
+        are restored bitwise and `param_version` stays (`steps_rolled_back`); the optimizer's moments keep that
+        step's finite gradient. Same inputs, same outcome: peers that apply one average stay equal either way."""
+        norm = total_norm([p.grad for p in self.params])
+        if not math.isfinite(norm):
+            self.steps_skipped += 1
+            logger.error("stage %d: gradients to apply are not finite (norm %s); no step", self.stage.index, norm)
+            return
+        self._stash_parameters()
+        before = self._stash.get(self.param_version) or [p.detach().clone() for p in self.params]
+        if self.optim_cfg.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm)
+        self.optimizer.step()
+        self.schedule.step()
+        if all_finite(self.params):
+            self.param_version += 1
+            return
+        with torch.no_grad():
+            for p, b in zip(self.params, before, strict=True):
+                p.copy_(b)
+        self.steps_rolled_back += 1
+        logger.error(
+            "stage %d: a step left parameters non-finite (lr %s); rolled back to version %d",
+            self.stage.index,
+            self.optimizer.param_groups[0]["lr"],
+            self.param_version,
+        )
 
     def digest(self) -> str:
         """Any thread. `state_digest` of the parameters and optimizer state, read under the state lock."""
@@ -328,6 +382,9 @@ class StageWorker:
         n = meta["n_params"]
         if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
             raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
+        self._check_optimizer_settings(meta["param_groups"])
+        if not all_finite(tensors):
+            raise ValueError("downloaded state has non-finite values")
         state: dict = {}
         for (idx, key), t in zip(meta["slots"], tensors[n:], strict=False):
             state.setdefault(int(idx), {})[key] = t
@@ -342,6 +399,25 @@ class StageWorker:
             self.schedule.load_state_dict(meta["schedule"])
             self.param_version = int(meta["param_version"])
             self.epoch = int(meta.get("epoch", self.param_version))
+
+    def _check_optimizer_settings(self, groups: list[dict]) -> None:
+        """Raises ValueError unless a state's optimizer settings are this peer's: the same hyperparameters, and a
+        learning rate the schedule can produce (finite, between 0 and the peak)."""
+        mine = self.optimizer.param_groups
+        if not isinstance(groups, list) or len(groups) != len(mine):
+            raise ValueError(
+                f"state has {len(groups) if isinstance(groups, list) else '?'} parameter groups, not {len(mine)}"
+            )
+        for theirs, own in zip(groups, mine, strict=True):
+            differ = sorted(k for k in own if k not in ("params", "lr") and _plain(theirs.get(k)) != _plain(own[k]))
+            if differ:
+                raise ValueError(
+                    "state's optimizer settings differ from this peer's: "
+                    + ", ".join(f"{k} {theirs.get(k)!r} (here {own[k]!r})" for k in differ[:4])
+                )
+            lr, peak = theirs.get("lr"), own.get("initial_lr", own["lr"])
+            if not isinstance(lr, int | float) or not 0 <= lr <= peak:
+                raise ValueError(f"state's learning rate {lr!r} is outside [0, {peak}]")
 
     @contextlib.contextmanager
     def _timed(self, kind: str, n_samples: int) -> Iterator[None]:
@@ -406,6 +482,7 @@ class StageWorker:
                 fastest[kind] = min(seconds, fastest.get(kind, seconds))
         self._seconds_per_sample = fastest
         self.samples_processed = self.samples_accumulated = self.microbatches_processed = 0
+        self.guard.reset()  # random inputs: their gradients say nothing about real ones
 
     def shutdown(self) -> None:
         self.compute.shutdown()

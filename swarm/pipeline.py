@@ -5,6 +5,7 @@ Backward is stateless: it recomputes the forward from the re-sent inputs, so any
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,14 @@ def stage_backward(
     grad_outputs: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
     grad_weight: float = 1.0,
+    accept: Callable[[list[torch.Tensor | None], torch.Tensor | None], object] | None = None,
 ) -> BackwardResult:
     """Recompute the forward, then add `grad_weight` x (gradient of this microbatch) to every parameter's `.grad`.
 
     The last stage takes `labels` and differentiates its mean loss; the others take `grad_outputs`. A server passes the
     microbatch's sample count as `grad_weight` and divides by the total before stepping, so that microbatches of
-    different sizes weigh as their samples.
+    different sizes weigh as their samples. `accept` sees this microbatch's parameter gradients and its
+    grad_inputs before anything is added; if it raises, nothing is.
     """
     if (labels is None) == (grad_outputs is None):
         raise ValueError("pass exactly one of grad_outputs (inner stage) or labels (last stage)")
@@ -47,6 +50,9 @@ def stage_backward(
         params = [p for p in stage.parameters() if p.requires_grad]
         wrt = params + ([x] if x.requires_grad else [])
         grads = torch.autograd.grad(out, wrt, grad_outputs=out_grad, allow_unused=True)
+    grad_inputs = grads[len(params)] if x.requires_grad else None
+    if accept is not None:
+        accept(list(grads[: len(params)]), grad_inputs)
     with torch.no_grad():
         for p, g in zip(params, grads, strict=False):
             if g is None:
@@ -55,5 +61,4 @@ def stage_backward(
                 p.grad = g.mul_(grad_weight) if grad_weight != 1.0 else g
             else:
                 p.grad.add_(g, alpha=grad_weight)
-    grad_inputs = grads[len(params)] if x.requires_grad else None
     return BackwardResult(grad_inputs=grad_inputs, loss=out.item() if labels is not None else None)

@@ -10,9 +10,13 @@ from server.collab import LocalSteps
 from server.config import ComputeConfig, OptimizerConfig
 from server.service import StageSchema, StageService
 from server.worker import StageWorker
+from swarm.compression import get_codec
 from swarm.config import ModelConfig
 from swarm.model import Stage
-from swarm.protocol.rpc import start_stage_server
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import iter_frames
+from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, aio_channel, start_stage_server
+from swarm.protocol.tensors import encode_tensor
 from trainer.client import StageClient
 from trainer.schedule import train_microbatch
 
@@ -76,3 +80,19 @@ def random_batch(cfg: ModelConfig, batch_size: int, seed: int = 0) -> tuple[torc
         torch.randint(0, cfg.vocab_size, shape, generator=gen),
         torch.randint(0, cfg.vocab_size, shape, generator=gen),
     )
+
+
+async def raw_call(address: str, method: str, frames_or_bytes: list, timeout: float = 10) -> list[pb.Frame]:
+    """One Forward or Backward call with hand-made frames (serialized or `pb.Frame`s) -> the reply's frames."""
+    async with aio_channel(address) as channel:
+        serializer = None if frames_or_bytes and isinstance(frames_or_bytes[0], bytes) else pb.Frame.SerializeToString
+        rpc = channel.stream_stream(
+            f"/{SERVICE}/{method}", request_serializer=serializer, response_deserializer=pb.Frame.FromString
+        )
+        return [f async for f in rpc(iter(frames_or_bytes), timeout=timeout)]
+
+
+def frames(stage: int, tensors: dict[str, torch.Tensor], codec: str = "none") -> list[bytes]:
+    """A well-formed call's serialized frames."""
+    meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id="x", stage=stage)
+    return list(iter_frames(meta, [encode_tensor(k, v, get_codec(codec)) for k, v in tensors.items()]))

@@ -11,14 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.config import ComputeConfig, OptimizerConfig
 from server.worker import StageWorker
-from swarm.compression import CompressionPolicy, get_codec
+from swarm.compression import CompressionPolicy
 from swarm.config import tiny_test
 from swarm.model import GPT, Stage
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.frames import iter_frames
 from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, StageStub, aio_channel
-from swarm.protocol.tensors import WireStats, encode_tensor
-from tests.stages import CPU, InProcessStages, random_batch, run_microbatch
+from swarm.protocol.tensors import WireStats
+from tests.stages import CPU, InProcessStages, frames, random_batch, raw_call, run_microbatch
 from trainer.client import StageClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,20 +73,6 @@ async def test_grpc_blockwise8_gradients_close_and_bytes_saved():
     float_classes = {k: v for k, v in wire["by_role"].items() if k != "tokens"}
     ratio = sum(v["fp32"] for v in float_classes.values()) / sum(v["wire"] for v in float_classes.values())
     assert ratio >= 3.5, wire
-
-
-async def raw_call(address, method, frames_or_bytes, timeout=10):
-    async with aio_channel(address) as channel:
-        serializer = None if frames_or_bytes and isinstance(frames_or_bytes[0], bytes) else pb.Frame.SerializeToString
-        rpc = channel.stream_stream(
-            f"/{SERVICE}/{method}", request_serializer=serializer, response_deserializer=pb.Frame.FromString
-        )
-        return [f async for f in rpc(iter(frames_or_bytes), timeout=timeout)]
-
-
-def frames(stage, tensors, codec="none"):
-    meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id="x", stage=stage)
-    return list(iter_frames(meta, [encode_tensor(k, v, get_codec(codec)) for k, v in tensors.items()]))
 
 
 async def test_bad_requests_get_invalid_argument_and_server_keeps_serving():

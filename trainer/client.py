@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from swarm.compression import WIRE_TO_DTYPE, CompressionPolicy, TensorRole, role
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
-from swarm.protocol.tensors import WireError, WireStats, decode_tensor, encode_tensor
+from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_tensor, encode_tensor
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,12 @@ REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATI
 class StageClient:
     """Encodes each tensor with its role's codec (the policy's), and asks the server to encode its reply likewise."""
 
-    def __init__(self, policy: CompressionPolicy, stats: WireStats, max_tensor_bytes: int):
-        self.policy, self.stats = policy, stats
+    def __init__(
+        self, policy: CompressionPolicy, stats: WireStats, max_tensor_bytes: int, max_activation: float = FP16_MAX
+    ):
+        """Replies are refused (WireError) above `max_tensor_bytes` per tensor or with a value beyond
+        `max_activation` in magnitude (or NaN)."""
+        self.policy, self.stats, self.max_activation = policy, stats, max_activation
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, StageStub] = {}
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
@@ -97,9 +102,10 @@ class StageClient:
             tensor = await loop.run_in_executor(self.pool, decode_tensor, enc, torch.device("cpu"))
             if expect_shape is not None and tuple(tensor.shape) != expect_shape:
                 raise WireError(f"stage {stage} replied with shape {list(tensor.shape)}, expected {list(expect_shape)}")
-            if tensor.numel() and not bool(torch.isfinite(tensor.amax()) & torch.isfinite(tensor.amin())):
-                raise WireError(f"stage {stage} replied with NaN or inf")
+            check_values(tensor, f"stage {stage}'s reply", self.max_activation)
         loss = reply.meta.loss if reply.meta.has_loss else None
+        if loss is not None and not 0 <= loss < math.inf:
+            raise WireError(f"stage {stage} replied with loss {loss}")
         admitted = None
         if reply.meta.HasField("global_batch") and reply.meta.HasField("admitted_at"):
             admitted = Admission(reply.meta.global_batch, reply.meta.admitted_at)

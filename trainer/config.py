@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swarm.compression import CODECS
+from swarm.protocol.tensors import FP16_MAX
 
 
 @dataclass(kw_only=True)
@@ -29,11 +30,20 @@ class TrainerConfig:
         default=None, metadata={"help": "append one JSON line per microbatch: step, loss, " "stage versions"}
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
+    max_activation: float = field(
+        default=FP16_MAX,
+        metadata={
+            "help": "largest |value| accepted in a server's reply (default: the fp16 maximum); a server that "
+            "replies beyond it, or with NaN, is banned like one that fails"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.in_flight < 1 or self.max_retries < 1:
             raise ValueError("--batch-size, --in-flight and --max-retries must be >= 1")
         if self.codec not in CODECS:
             raise ValueError(f"unknown --codec {self.codec!r}; choose one of {sorted(CODECS)}")
+        if not 0 < self.max_activation < float("inf"):
+            raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
         if self.request_timeout <= 0 or self.discovery_period <= 0:
             raise ValueError("--request-timeout and --discovery-period must be > 0")

@@ -139,11 +139,32 @@ class Limits:
 class Call:
     meta: pb.CallMeta
     tensors: dict[str, EncodedTensor] = field(default_factory=dict)
+    reserved: int = 0  # payload bytes taken from the receiver's ByteBudget; give them back when done with the call
+
+
+class Busy(Exception):
+    """The receiver holds as many request bytes as it accepts: RESOURCE_EXHAUSTED, the caller tries another peer."""
+
+
+class ByteBudget:
+    """Payload bytes a receiver holds at once, across all its calls: a flood is refused instead of growing memory."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise Busy(f"busy: {self.used >> 20} MiB of requests held, the limit is {self.limit >> 20} MiB")
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
 
 
 def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:
     if h.name not in limits.allowed_names:
-        raise WireError(f"unexpected tensor {h.name!r}; this call takes {sorted(limits.allowed_names)}")
+        name = h.name if len(h.name) <= 40 else f"{h.name[:40]}... ({len(h.name)} characters)"
+        raise WireError(f"unexpected tensor {name!r}; this call takes {sorted(limits.allowed_names)}")
     if h.name in seen:
         raise WireError(f"tensor {h.name!r} sent twice")
     if h.codec not in CODECS_BY_WIRE:
@@ -160,49 +181,61 @@ def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:
         )
 
 
-async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits) -> Call:
-    """Assemble a request or response stream; raises WireError on anything malformed or over the limits.
+async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, budget: ByteBudget | None = None) -> Call:
+    """Assemble a request or response stream; raises WireError on anything malformed or over the limits, Busy when
+    `budget` has no room for its payload (then it holds nothing of it; on success it holds `Call.reserved`).
 
     Frames are serialized, as they come off the wire (each payload is then copied once, into its tensor's buffer), or
     already parsed `pb.Frame`s."""
     call: Call | None = None
     current: pb.TensorHeader | None = None
-    buf, filled = bytearray(), 0  # preallocated to the header's size (already checked against the limits)
+    # grows with the data that arrives, up to the header's size (checked against the limits): a header that
+    # declares a large tensor and sends nothing reserves nothing
+    buf = bytearray()
+    taken = 0
 
     def finish() -> None:
         if current is not None:
             assert call is not None  # a tensor header is only accepted after the CallMeta
-            if filled != current.payload_bytes:
+            if len(buf) != current.payload_bytes:
                 raise WireError(
-                    f"tensor {current.name!r}: got {filled} payload bytes, header says {current.payload_bytes}"
+                    f"tensor {current.name!r}: got {len(buf)} payload bytes, header says {current.payload_bytes}"
                 )
             call.tensors[current.name] = EncodedTensor(current, buf)
 
-    async for message in frames:
-        if isinstance(message, pb.Frame):
-            frame, data = message, memoryview(message.data)
-        else:
-            frame, data = parse_frame(message)
+    try:
+        async for message in frames:
+            if isinstance(message, pb.Frame):
+                frame, data = message, memoryview(message.data)
+            else:
+                frame, data = parse_frame(message)
+            if call is None:
+                if not frame.HasField("meta"):
+                    raise WireError("the first frame must carry CallMeta")
+                if frame.meta.protocol_version != PROTOCOL_VERSION:
+                    raise WireError(f"protocol version {frame.meta.protocol_version} != {PROTOCOL_VERSION}")
+                call = Call(meta=frame.meta)
+            if frame.HasField("tensor"):
+                finish()
+                _check_header(frame.tensor, limits, call.tensors)
+                current, buf = frame.tensor, bytearray()
+            if len(data):
+                if current is None:
+                    raise WireError("payload data before any tensor header")
+                if len(buf) + len(data) > current.payload_bytes:
+                    raise WireError(
+                        f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
+                    )
+                if budget is not None:
+                    budget.take(len(data))
+                    taken += len(data)
+                buf += data
         if call is None:
-            if not frame.HasField("meta"):
-                raise WireError("the first frame must carry CallMeta")
-            if frame.meta.protocol_version != PROTOCOL_VERSION:
-                raise WireError(f"protocol version {frame.meta.protocol_version} != {PROTOCOL_VERSION}")
-            call = Call(meta=frame.meta)
-        if frame.HasField("tensor"):
-            finish()
-            _check_header(frame.tensor, limits, call.tensors)
-            current, buf, filled = frame.tensor, bytearray(frame.tensor.payload_bytes), 0
-        if len(data):
-            if current is None:
-                raise WireError("payload data before any tensor header")
-            if filled + len(data) > current.payload_bytes:
-                raise WireError(
-                    f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
-                )
-            memoryview(buf)[filled : filled + len(data)] = data
-            filled += len(data)
-    if call is None:
-        raise WireError("empty stream")
-    finish()
+            raise WireError("empty stream")
+        finish()
+    except BaseException:
+        if budget is not None:
+            budget.release(taken)
+        raise
+    call.reserved = taken
     return call

@@ -7,11 +7,15 @@ and parses them); the unary methods use the protobuf messages of wire.proto.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.protocol import wire_pb2 as pb
 
+logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 2
 CHUNK_BYTES = 2 << 20
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
@@ -53,6 +57,26 @@ class StageStub:
         return {"Forward": self.forward, "Backward": self.backward}[name]
 
 
+def _unary(handler, request_type, reply_type) -> grpc.RpcMethodHandler:
+    """A unary method that answers INVALID_ARGUMENT to a request that does not parse, and INTERNAL (logged, with a
+    short message) to any exception its handler lets escape: never UNKNOWN, never a traceback to the caller."""
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}")
+        try:
+            return await handler(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            logger.exception("%s failed", request_type.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{request_type.__name__}: internal error (see server log)")
+
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=reply_type.SerializeToString)
+
+
 def stage_handler(forward, backward, info, progress) -> grpc.GenericRpcHandler:
     """The server side of `StageStub`: coroutine handlers for the four methods."""
     return grpc.method_handlers_generic_handler(
@@ -60,16 +84,8 @@ def stage_handler(forward, backward, info, progress) -> grpc.GenericRpcHandler:
         {
             "Forward": grpc.stream_stream_rpc_method_handler(forward),
             "Backward": grpc.stream_stream_rpc_method_handler(backward),
-            "Progress": grpc.unary_unary_rpc_method_handler(
-                progress,
-                request_deserializer=pb.StageProgress.FromString,
-                response_serializer=pb.ProgressAck.SerializeToString,
-            ),
-            "Info": grpc.unary_unary_rpc_method_handler(
-                info,
-                request_deserializer=pb.InfoRequest.FromString,
-                response_serializer=pb.InfoReply.SerializeToString,
-            ),
+            "Progress": _unary(progress, pb.StageProgress, pb.ProgressAck),
+            "Info": _unary(info, pb.InfoRequest, pb.InfoReply),
         },
     )
 

@@ -11,9 +11,23 @@ import torch
 from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, CodecError, NoneCodec
 from swarm.protocol import wire_pb2 as pb
 
+FP16_MAX = 65504.0  # the default bound on activations and their gradients: what fp16 can carry
+
 
 class WireError(ValueError):
     """A message that breaks the wire format or a limit; the server answers INVALID_ARGUMENT with this text."""
+
+
+def check_values(x: torch.Tensor, name: str, bound: float) -> None:
+    """Raises WireError unless every value of floating-point `x` is finite and within [-bound, bound]: a healthy
+    activation or gradient never comes near the float32 limit, and one that does would overflow what it meets."""
+    if x.numel() == 0 or not x.is_floating_point():
+        return
+    lo, hi = torch.aminmax(x)  # NaN propagates to both; an inf is one of them
+    if not bool((lo >= -bound) & (hi <= bound)):
+        raise WireError(
+            f"{name} has values outside [-{bound:g}, {bound:g}] (min {float(lo):.3g}, max {float(hi):.3g}), or NaN"
+        )
 
 
 @dataclass
