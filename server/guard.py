@@ -33,10 +33,12 @@ def total_norm(tensors: Sequence[torch.Tensor | None]) -> float:
 
 
 class GradientGuard:
-    """Refuses a microbatch whose parameter-gradient norm is non-finite, or, once `warmup` microbatches have been
-    accepted, above `factor` x the median norm of the last `window` accepted ones. Only accepted norms enter the
-    statistic, so a run of refused microbatches cannot raise the bar; the median moves by at most one sample per
-    accepted microbatch, so creeping up on it takes many accepted ones. `factor` 0 checks finiteness only."""
+    """Refuses a microbatch whose parameter-gradient norm is non-finite, or, once `warmup` norms have been seen, above
+    `factor` x the median norm of the last `window` microbatches. Every finite norm enters the window, refused ones
+    too: honest gradients that grow quickly (early training: up to 55x the running median, measured) cannot lock the
+    stage out for good; outliers move the median only if they are most of the traffic. `factor` 0 checks finiteness
+    only. The default factor is large on purpose: refusing an honest microbatch loses it (and stalls stage 0's epoch),
+    while an accepted large one is bounded by the step's gradient clipping."""
 
     def __init__(self, factor: float, warmup: int = 16, window: int = 64):
         if factor < 0 or warmup < 1 or window < warmup:
@@ -56,19 +58,19 @@ class GradientGuard:
         return self.factor * statistics.median(self.norms)
 
     def check(self, grads: Sequence[torch.Tensor | None]) -> float:
-        """Raises GradientRejected (and counts it) for gradients to refuse; else records their norm and returns it."""
+        """Raises GradientRejected (and counts it) for gradients to refuse; returns the norm of accepted ones."""
         norm = total_norm(grads)
         if not math.isfinite(norm):
             self.rejected += 1
             raise GradientRejected("gradients of this microbatch are not finite; nothing accumulated")
         limit = self.limit()
+        self.norms.append(norm)
         if norm > limit:
             self.rejected += 1
             raise GradientRejected(
                 f"gradient norm {norm:.3g} of this microbatch exceeds {limit:.3g} ({self.factor:g} x the median of "
-                f"the last {len(self.norms)} accepted); nothing accumulated"
+                f"the last {len(self.norms) - 1}); nothing accumulated"
             )
-        self.norms.append(norm)
         self.accepted += 1
         return norm
 
