@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
     parser.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
     parser.add_argument("--maddr-file", default=None, help="also write the multiaddrs here, one per line")
+    parser.add_argument(
+        "--swarm-name", default="swarm", help="refuse malformed or unsigned server records under this swarm's keys"
+    )
     return parser
 
 
@@ -29,7 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(args.initial_peers, host=args.host, port=args.port, identity_path=args.identity_path)
+    dht = start_dht(
+        args.initial_peers, host=args.host, port=args.port, identity_path=args.identity_path, swarm_name=args.swarm_name
+    )
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         if args.maddr_file:

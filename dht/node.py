@@ -2,11 +2,16 @@
 
 hivemind runs the DHT in a child process (plus its p2pd daemon); every call here returns an awaitable and never
 blocks the event loop. Shut it down in a `finally`: a killed parent orphans those children.
+
+Every node runs hivemind's `RSASignatureValidator`: a server's record lives under its key's `[owner:...]` subkey and
+only that key can change it (dht/identity.py); discovery ignores records under any other subkey, and names each
+server by its key's fingerprint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -14,7 +19,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from dht.records import PeerEntry, ServerRecord, stage_key
+from dht.identity import Identity, fingerprint, owner_of
+from dht.records import PeerEntry, ServerRecord, StageRecordValidator, stage_key
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +31,12 @@ def start_dht(
     port: int = 0,
     client_mode: bool = False,
     identity_path: str | None = None,
+    identity: Identity | None = None,
+    swarm_name: str | None = None,
 ) -> hivemind.DHT:
-    """Blocking (about a second): call it before the event loop starts, or in an executor."""
+    """Blocking (about a second): call it before the event loop starts, or in an executor. `identity` signs this
+    node's records (a fresh one if None: the node still validates everyone else's). `swarm_name`: also refuse
+    malformed records under that swarm's stage keys (dht/records.py). `identity_path`: libp2p's key."""
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
@@ -35,25 +45,43 @@ def start_dht(
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         client_mode=client_mode,
         identity_path=identity_path,
+        record_validators=[
+            (identity or Identity()).validator,
+            *([StageRecordValidator(swarm_name)] if swarm_name else []),
+        ],
         start=True,
         await_ready=True,
     )
 
 
 class SwarmDHT:
-    def __init__(self, dht: hivemind.DHT, swarm_name: str, timeout: float = 10.0):
-        self.dht, self.swarm_name, self.timeout = dht, swarm_name, timeout
+    def __init__(self, dht: hivemind.DHT, swarm_name: str, identity: Identity, timeout: float = 10.0):
+        """`identity` must be the one `dht` was started with (its validator signs our records)."""
+        self.dht, self.swarm_name, self.identity, self.timeout = dht, swarm_name, identity, timeout
+
+    @classmethod
+    def start(cls, swarm_name: str, initial_peers: Sequence[str] = (), **kwargs) -> SwarmDHT:
+        """Blocking: a new identity and a DHT node signing with it (`kwargs`: those of `start_dht`)."""
+        identity = Identity()
+        return cls(start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs), swarm_name, identity)
 
     @property
     def peer_id(self) -> str:
+        """Our id in the swarm: the fingerprint of our key."""
+        return self.identity.peer_id
+
+    @property
+    def p2p_id(self) -> str:
+        """Our libp2p peer id (hivemind's averagers address peers by it)."""
         return str(self.dht.peer_id)
 
     async def announce(self, record: ServerRecord, ttl: float) -> bool:
+        record = dataclasses.replace(record, p2p_id=self.p2p_id)
         future = self.dht.store(
             stage_key(self.swarm_name, record.stage),
             record.to_dict(),
             get_dht_time() + ttl,
-            subkey=self.peer_id,
+            subkey=self.identity.owner_subkey,
             return_future=True,
         )
         return bool(await asyncio.wait_for(future, self.timeout))
@@ -71,13 +99,17 @@ class SwarmDHT:
         if found is None or not isinstance(found.value, dict):
             return []
         now, entries = get_dht_time(), []
-        for peer_id, item in found.value.items():
+        for subkey, item in found.value.items():
+            owner = owner_of(subkey)
+            if owner is None:  # not under an owner's key: anyone could have written it
+                logger.debug("skipping an unsigned record under stage %d", stage)
+                continue
             record = ServerRecord.from_dict(getattr(item, "value", None))
             if record is None or record.stage != stage:
-                logger.debug("skipping malformed record of %s under stage %d", peer_id, stage)
+                logger.debug("skipping malformed record of %s under stage %d", fingerprint(owner), stage)
                 continue
             if record.online and item.expiration_time > now and (record.ready or include_pending):
-                entries.append(PeerEntry(str(peer_id), record, item.expiration_time))
+                entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time))
         return entries
 
     def shutdown(self) -> None:

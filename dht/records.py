@@ -7,7 +7,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
+
+from dht.identity import owner_of
+
 RECORD_VERSION = 1
+MAX_STAGES = 256  # stage keys the validator knows (keys reach validators hashed: they are precomputed)
+MAX_RECORD_BYTES = 4096
 
 
 def stage_key(swarm_name: str, stage: int) -> str:
@@ -16,7 +24,7 @@ def stage_key(swarm_name: str, stage: int) -> str:
 
 @dataclass(frozen=True)
 class ServerRecord:
-    """Peer `peer_id` serves `stage` at host:port. Its load, for trainers and the rebalancer (swarm/rebalance.py):
+    """A peer (named by the key that signed this record: dht/identity.py) serves `stage` at host:port. Its load, for trainers and the rebalancer (swarm/rebalance.py):
     measured `throughput` (samples/s it can sustain), `queue_length` (requests waiting), `demand` (samples/s it was
     sent over the last announce period). `joined_at`: DHT time it took this stage (by starting or moving), which its
     cooldown counts from. `ready`: False while it downloads the stage's state; it serves nothing yet, but its capacity
@@ -32,6 +40,7 @@ class ServerRecord:
     joined_at: float = 0.0
     ready: bool = True
     online: bool = True  # False: a tombstone left by a peer that withdrew
+    p2p_id: str = ""  # the peer's libp2p id, for hivemind's averagers (its swarm id is its key's fingerprint)
     version: int = RECORD_VERSION
 
     @property
@@ -63,6 +72,7 @@ class ServerRecord:
             isinstance(rec.joined_at, int | float) and 0 <= rec.joined_at < float("inf"),
             isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
+            isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
         )
         return rec if all(checks) else None
 
@@ -72,3 +82,31 @@ class PeerEntry:
     peer_id: str
     record: ServerRecord
     expiration: float
+
+
+class StageRecordValidator(RecordValidatorBase):
+    """Every DHT node of the swarm refuses, under a stage's key, anything but a well-formed ServerRecord of that stage
+    stored under an owner's subkey (whose signature hivemind's RSASignatureValidator, which runs first, has
+    checked). Without it a node would keep unsigned subkeys beside the signed ones, and mixing their types breaks
+    hivemind's storage (it compares subkeys of records that expire at the same time)."""
+
+    def __init__(self, swarm_name: str):
+        self.swarm_name = swarm_name
+        self.stages = {DHTID.generate(source=stage_key(swarm_name, s)).to_bytes(): s for s in range(MAX_STAGES)}
+
+    def validate(self, record: DHTRecord) -> bool:
+        stage = self.stages.get(record.key)
+        if stage is None:
+            return True  # not ours: hivemind's averagers keep their own keys
+        if len(record.value) > MAX_RECORD_BYTES:
+            return False
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # whatever msgpack raises on garbage
+            return False
+        parsed = ServerRecord.from_dict(value)
+        return owner_of(subkey) is not None and parsed is not None and parsed.stage == stage
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, StageRecordValidator) and other.swarm_name == self.swarm_name

@@ -13,7 +13,7 @@ import signal
 import torch
 import uvloop
 
-from dht.node import SwarmDHT, start_dht
+from dht.node import SwarmDHT
 from server.config import ServerConfig
 from server.stage_server import StageServer
 from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.compute.torch_threads > 0:
         torch.set_num_threads(cfg.compute.torch_threads)
     device = resolve_device(cfg.compute.device)
-    sdht = SwarmDHT(
-        start_dht(cfg.network.initial_peers, host=cfg.network.host, port=cfg.network.dht_port), cfg.network.swarm_name
+    sdht = SwarmDHT.start(
+        cfg.network.swarm_name, cfg.network.initial_peers, host=cfg.network.host, port=cfg.network.dht_port
     )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))

@@ -18,7 +18,8 @@ from typing import NoReturn
 import grpc
 import torch
 
-from server.collab import AdmissionRefused, Collaboration
+from dht.identity import MAX_PUBLIC_KEY_BYTES
+from server.collab import AdmissionRefused, Collaboration, ProgressRefused
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE
@@ -150,8 +151,13 @@ class StageService:
             and 0 <= msg.admitted_next < 2**40
             and len(msg.address) <= 300
             and (not msg.address or msg.address.rpartition(":")[2].isdigit())
+            and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
+            and len(msg.signature) <= 2048
         )
-        ack = self.collab.on_progress(msg) if ok else None
+        try:
+            ack = self.collab.on_progress(msg) if ok else None
+        except ProgressRefused as e:
+            await refuse(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
         if ack is None:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed progress message, or not a stage peer")
         return ack

@@ -3,83 +3,24 @@ real DHT, real hivemind averagers, real Progress RPCs) and a round that fails fo
 to join it in time."""
 
 import asyncio
-import contextlib
-import functools
 import time
 
 import pytest
 import torch
-from hivemind.utils import get_dht_time
 
-from dht.node import SwarmDHT, start_dht
-from server.config import (
-    AveragingConfig,
-    ComputeConfig,
-    EpochConfig,
-    NetworkConfig,
-    OptimizerConfig,
-    ServerConfig,
-)
-from server.stage_server import StageServer
 from server.worker import StageWorker
-from swarm.config import model_config
 from swarm.model import Stage
+from tests.peers import (
+    MODEL,
+    TIMEOUT,
+    hide_from_state_sharing,
+    server_config,
+    stage_servers,
+    start_server,
+    wait_for_async,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-MODEL = model_config("local_debug", d_model=32, n_heads=2, d_ff=64, max_seq_len=16, n_stages=2, layers_per_stage=1)
-TIMEOUT = 3.0  # --averaging-timeout
-
-
-async def wait_for_async(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
-async def hide_from_state_sharing(server: StageServer) -> None:
-    """Make the DHT record of who shares state say that `server` does not, for the rest of the test. That record can
-    lag behind the peers' real state by tens of seconds: copying must not depend on it."""
-    key = f"{server.collab.averaging.state.prefix}.all_averagers"
-    store = functools.partial(
-        server.sdht.dht.store, key, None, get_dht_time() + 120, subkey=server.sdht.dht.peer_id.to_bytes()
-    )
-    assert await asyncio.get_running_loop().run_in_executor(None, store)
-
-
-async def start_server(initial_peers: list[str]) -> StageServer:
-    loop = asyncio.get_running_loop()
-    sdht = SwarmDHT(await loop.run_in_executor(None, start_dht, initial_peers), "failtest")
-    server = StageServer(server_config(initial_peers), MODEL, sdht, torch.device("cpu"))
-    await server.enter(0)
-    return server
-
-
-@contextlib.asynccontextmanager
-async def stage_servers():
-    """Yields (initial peers, a list to append started servers to); stops them all and the bootstrap DHT."""
-    boot = await asyncio.get_running_loop().run_in_executor(None, start_dht)
-    servers: list[StageServer] = []
-    try:
-        yield [str(m) for m in boot.get_visible_maddrs()], servers
-    finally:
-        for server in reversed(servers):
-            await server.shutdown()
-            server.sdht.dht.shutdown()
-        boot.shutdown()
-
-
-def server_config(initial_peers: list[str]) -> ServerConfig:
-    return ServerConfig(
-        stage="0",
-        network=NetworkConfig(initial_peers=initial_peers, announce_period=1.0),
-        optimizer=OptimizerConfig(clip_grad_norm=0.0),
-        compute=ComputeConfig(torch_threads=1),
-        epochs=EpochConfig(samples_per_step=8, progress_period=0.1),
-        averaging=AveragingConfig(matchmaking_time=0.5, averaging_timeout=TIMEOUT),
-        rebalance=False,
-    )
 
 
 @pytest.mark.parametrize("busy_peer", ["with_samples", "without_samples"])

@@ -10,7 +10,7 @@ import signal
 import torch
 import uvloop
 
-from dht.node import SwarmDHT, start_dht
+from dht.node import SwarmDHT
 from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
 from swarm.config import ModelConfig
 from trainer.config import TrainerConfig
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # the trainer only slices data and runs codecs
-    sdht = SwarmDHT(start_dht(cfg.initial_peers, port=cfg.dht_port, client_mode=True), cfg.swarm_name)
+    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, port=cfg.dht_port, client_mode=True)
     try:
         final = uvloop.run(_main(cfg, model_cfg, sdht))
         logger.info(

@@ -3,6 +3,6 @@ protocol (epoch), averaging on hivemind (averaging), state transfers (recovery),
 need (hivemind_compat)."""
 
 from server.collab.base import Collaboration, LocalSteps
-from server.collab.epoch import AdmissionRefused, Phase, StageCollaboration
+from server.collab.epoch import AdmissionRefused, Phase, ProgressRefused, StageCollaboration
 
-__all__ = ["AdmissionRefused", "Collaboration", "LocalSteps", "Phase", "StageCollaboration"]
+__all__ = ["AdmissionRefused", "Collaboration", "LocalSteps", "Phase", "ProgressRefused", "StageCollaboration"]

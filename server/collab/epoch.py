@@ -44,6 +44,11 @@ from swarm.protocol import wire_pb2 as pb
 logger = logging.getLogger(__name__)
 
 
+class ProgressRefused(Exception):
+    """A Progress message that must not count: unsigned, from a peer the DHT does not list on this stage, or
+    implausible. The sender gets PERMISSION_DENIED."""
+
+
 class AdmissionRefused(Exception):
     """This peer's share of the global batch is full, others' are not: the microbatch belongs on another peer."""
 
@@ -82,6 +87,7 @@ class StageCollaboration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
+        self._last_lookup = 0.0  # monotonic time of the last DHT read an unlisted sender of Progress triggered
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
@@ -166,7 +172,18 @@ class StageCollaboration:
         self._spawn(self._maybe_end_epoch())
 
     def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
-        """A stage peer's count (validated by the service). Never blocks: the poller acts on it."""
+        """A stage peer's count (fields validated by the service). Never blocks: the poller acts on it. Raises
+        ProgressRefused for a message not signed by a listed stage peer, or with a count no peer can have reached;
+        an unlisted sender makes us read the DHT again (at most once a second), so a joiner is heard soon."""
+        reason = self.peers.check(msg)
+        if reason is not None:
+            if msg.peer_id not in self.peers.peers and time.monotonic() - self._last_lookup > 1.0:
+                self._last_lookup = time.monotonic()
+                self._spawn(self.peers.refresh())
+            raise ProgressRefused(reason)
+        most = self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
+        if max(msg.samples, msg.admitted, msg.admitted_next) > most:
+            raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
         self.peers.record(msg)
         logger.debug(
             "progress from %s: epoch %d, %d samples%s (we are at %d, %s)",

@@ -2,8 +2,9 @@
 
 After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC),
 so every peer knows the exact total of the current epoch and a trainer that waits for its replies sees epochs end
-exactly at the global batch. The DHT says who the peers are; a `Progress` message from a peer the DHT has not listed
-yet adds it (a peer that joined since our last lookup).
+exactly at the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
+key of a peer whose (signed) DHT record says it serves this stage (`check`); one from a peer not listed yet is
+refused with PERMISSION_DENIED and makes us read the DHT again, so a joiner is heard from its next message on.
 
 Owned by the event loop: only it writes. Other threads read copies (`ahead_of`, `counts_of`).
 """
@@ -15,6 +16,7 @@ import logging
 
 import grpc
 
+from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
@@ -34,10 +36,25 @@ class StagePeers:
         self._not_admitting: set[str] = set()  # stage 0 peers that said they admit no more Forwards
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
+
+    def check(self, msg: pb.StageProgress) -> str | None:
+        """Why `msg` must be refused (its fields are already validated by the service), or None: its sender signed it
+        with the key its peer id is the fingerprint of, and the DHT lists that peer on this stage."""
+        if fingerprint(msg.public_key) != msg.peer_id:
+            return "progress: peer_id is not the fingerprint of public_key"
+        unsigned = pb.StageProgress()
+        unsigned.CopyFrom(msg)
+        unsigned.ClearField("signature")
+        if not verify(msg.public_key, unsigned.SerializeToString(), msg.signature):
+            return "progress: bad signature"
+        if msg.peer_id not in self.peers:
+            return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
+        return None
 
     def record(self, msg: pb.StageProgress) -> None:
-        """A stage peer's count (validated by the service). Messages can arrive out of order (each is its own RPC):
-        a peer's progress only moves forward."""
+        """A stage peer's count (passed `check`). Messages can arrive out of order (each is its own RPC): a peer's
+        progress only moves forward."""
         progress = (int(msg.epoch), int(msg.samples))
         if progress >= self.view.get(msg.peer_id, progress):
             self.view[msg.peer_id] = progress
@@ -49,8 +66,6 @@ class StagePeers:
         for epoch, admitted in ((msg.epoch, msg.admitted), (msg.epoch + 1, msg.admitted_next)):
             known = self._admitted.setdefault(int(epoch), {})
             known[msg.peer_id] = max(known.get(msg.peer_id, 0), int(admitted))
-        if msg.address:
-            self.peers[msg.peer_id] = msg.address  # a peer that joined since our last DHT lookup
 
     async def refresh(self) -> None:
         """The stage's peers as the DHT lists them. A peer we know that one read misses stays until a second read
@@ -58,6 +73,7 @@ class StagePeers:
         reported) stalls the stage until that peer next reports, which it does only after the epoch it waits for."""
         entries = await self.sdht.discover(self.stage)
         listed = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        self.p2p_ids.update({e.peer_id: e.record.p2p_id for e in entries})
         missed = {p: a for p, a in self.peers.items() if p not in listed and p not in self._missed_once}
         self._missed_once = set(missed)
         self.peers = {**missed, **listed}
@@ -82,7 +98,9 @@ class StagePeers:
             admitted=admitted[0],
             admitted_next=admitted[1],
             stopped_admitting=stopped_admitting,
+            public_key=self.sdht.identity.public_key,
         )
+        msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
@@ -91,6 +109,9 @@ class StagePeers:
         try:
             await StageStub(self._channels[address]).progress(msg, timeout=self.peer_timeout)
         except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
+                logger.debug("stage peer %s does not list us yet", address)
+                return
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
             self.peers.pop(peer_id, None)
             self.view.pop(peer_id, None)

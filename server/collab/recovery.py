@@ -70,27 +70,31 @@ class Recovery:
         if not self.peers.peers:
             return False
         logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers.peers))
-        if await self.download():
-            return True
-        # hivemind chose no source: the DHT record of who shares state can lag behind (see `download_state`)
-        for peer_id in sorted(self.peers.peers):
-            logger.info("stage %d: asking %s for its state by name", self.stage, peer_id[-6:])
-            if await self.download(peer_id, attempts=1):
-                return True
+        # only from peers with a signed record on this stage, by name: hivemind's own choice would take any peer
+        # under the averager's prefix (and its record of who shares state can lag behind: see `download_state`)
+        for attempt in range(2):
+            for peer_id in sorted(self.peers.peers):
+                logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
+                if await self.download(peer_id, attempts=1):
+                    return True
+            if attempt == 0:
+                await asyncio.sleep(1.0)
+                await self.peers.refresh()
         logger.warning("stage %d: no peer sent its state", self.stage)
         return False
 
-    async def download(self, source: str | None = None, attempts: int = 3) -> bool:
-        """Event loop. From `source` (a peer id), else from whichever peer the DHT lists as sharing its state."""
+    async def download(self, source: str, attempts: int = 3) -> bool:
+        """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record)."""
         loop = asyncio.get_running_loop()
-        if source is not None:
-            fetch = functools.partial(self.averager.download_state, source, self.cfg.averaging_timeout)
-        else:
-            fetch = functools.partial(self.averager.load_state_from_peers, timeout=self.cfg.averaging_timeout)
+        p2p_id = self.peers.p2p_ids.get(source)
+        if not p2p_id:
+            logger.warning("stage %d: no record of %s's averager", self.stage, source[-6:])
+            return False
+        fetch = functools.partial(self.averager.download_state, p2p_id, self.cfg.averaging_timeout)
         for attempt in range(attempts):
             try:
                 loaded = await loop.run_in_executor(self.pool, fetch)
-            except TimeoutError:  # hivemind's load_state_from_peers raises it where download_state returns None
+            except TimeoutError:  # the averager process hung
                 loaded = None
             if loaded is not None:
                 meta, tensors = loaded
@@ -151,7 +155,9 @@ class Recovery:
                 if self.peers.epochs_of().get(reference, epoch) <= epoch:
                     time.sleep(0.02)
                     continue
-                loaded = self.averager.download_state(reference, timeout=self.cfg.averaging_timeout)
+                loaded = self.averager.download_state(
+                    self.peers.p2p_ids.get(reference, ""), timeout=self.cfg.averaging_timeout
+                )
                 if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
                     self.load(*loaded)
                     return None

@@ -132,7 +132,7 @@ class InfoReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,8 @@ class StageProgress(_message.Message):
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_NEXT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_ADMITTING_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -153,7 +155,9 @@ class StageProgress(_message.Message):
     admitted: int
     admitted_next: int
     stopped_admitting: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ("epoch",)

@@ -200,7 +200,8 @@ class LocalSwarm:
 
     def start_dht(self, timeout: float = 60.0) -> list[str]:
         maddr_file = self.log_dir / "dht.maddr"
-        child = self.spawn("dht", "dht.main", ["--host", "127.0.0.1", "--port", "0", "--maddr-file", str(maddr_file)])
+        args = ["--host", "127.0.0.1", "--port", "0", "--maddr-file", str(maddr_file), "--swarm-name", self.swarm_name]
+        child = self.spawn("dht", "dht.main", args)
         deadline = time.monotonic() + timeout
         while not maddr_file.exists():
             if not child.alive() or time.monotonic() > deadline:

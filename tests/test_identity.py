@@ -1,0 +1,120 @@
+"""Identity for everything that changes a stage's state: DHT records only their key's owner can write, and Progress
+messages that count only when signed by a peer the DHT lists on the stage. Real in-process stage peers (tests/peers.py)
+and, as the attacker, a stock `hivemind.DHT` that runs no validator and signs nothing."""
+
+import asyncio
+import time
+
+import grpc
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from dht.identity import Identity, fingerprint
+from dht.records import ServerRecord, stage_key
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from tests.peers import SWARM, stage_servers, start_server, wait_for_async
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def signed(identity: Identity, **fields) -> pb.StageProgress:
+    msg = pb.StageProgress(protocol_version=PROTOCOL_VERSION, stage=0, public_key=identity.public_key, **fields)
+    msg.signature = identity.sign(msg.SerializeToString())
+    return msg
+
+
+async def test_forged_records_are_never_listed_and_forged_progress_changes_nothing():
+    async with stage_servers() as (initial_peers, servers):
+        for _ in range(2):
+            servers.append(await start_server(initial_peers))
+        a, b = servers
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+            30,
+            "the two peers to find each other",
+        )
+        real = {e.peer_id: e.record for e in await a.sdht.discover(0)}
+        assert set(real) == {a.sdht.peer_id, b.sdht.peer_id}
+
+        # the attacker: a stock hivemind DHT node in the swarm, no validator, signing nothing
+        attacker = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        )
+        try:
+            key = stage_key(SWARM, 0)
+            fake = ServerRecord(host="127.0.0.1", port=1, stage=0, throughput=1000.0).to_dict()
+            stores = [
+                ("an unprotected subkey claiming 1000 samples/s", "fake-server"),
+                ("b's peer id as a plain subkey", b.sdht.peer_id),
+                ("b's owner subkey, unsigned: overwrite b", b.sdht.identity.owner_subkey),
+                ("a fresh key's owner subkey, unsigned", Identity().owner_subkey),
+            ]
+            for _what, subkey in stores:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda s=subkey: attacker.store(key, fake, get_dht_time() + 60, subkey=s)
+                )
+            for _ in range(3):  # the nodes that keep the key refused the writes; readers skip what is not owned
+                listed = {e.peer_id: e.record for e in await a.sdht.discover(0, include_pending=True)}
+                assert listed.keys() == real.keys(), listed
+                assert listed[b.sdht.peer_id].address == real[b.sdht.peer_id].address
+                assert all(r.port != 1 for r in listed.values()), listed
+                await asyncio.sleep(0.5)
+        finally:
+            attacker.shutdown()
+
+        # forged Progress, straight to a's Stage service
+        epoch, version = a.collab.epoch, a.worker.param_version
+        view = dict(a.collab.peers.view)
+        stranger = Identity()
+        forged = {
+            "made-up peer id, unsigned": pb.StageProgress(
+                protocol_version=PROTOCOL_VERSION,
+                stage=0,
+                peer_id="made-up",
+                epoch=10**6,
+                samples=10**9,
+                end_epoch=True,
+            ),
+            "a stranger's valid signature": signed(
+                stranger, peer_id=stranger.peer_id, epoch=epoch, samples=8, end_epoch=True
+            ),
+            "b's id with a stranger's key": signed(
+                stranger, peer_id=b.sdht.peer_id, epoch=epoch, samples=8, end_epoch=True
+            ),
+        }
+        tampered = signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=1)
+        tampered.samples, tampered.end_epoch = 8, True  # changed after signing
+        forged["b's message, altered after signing"] = tampered
+        forged["b's signed message with an impossible count"] = signed(
+            b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=10**6, end_epoch=True
+        )
+        async with aio_channel(a.record().address) as channel:
+            for what, msg in forged.items():
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await StageStub(channel).progress(msg, timeout=5)
+                assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT), (
+                    what,
+                    info.value,
+                )
+            await asyncio.sleep(1.0)
+            assert (a.collab.epoch, a.worker.param_version) == (epoch, version)
+            assert set(a.collab.peers.view) <= set(view) | {b.sdht.peer_id}
+            assert a.collab.peers.view.get(b.sdht.peer_id, (epoch, 0))[1] < 8
+            assert "made-up" not in a.collab.peers.peers and stranger.peer_id not in a.collab.peers.peers
+            # b's own signed message counts
+            ack = await StageStub(channel).progress(
+                signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=0), timeout=5
+            )
+            assert ack.epoch == epoch
+
+
+def test_peer_ids_are_key_fingerprints():
+    one, two = Identity(), Identity()
+    assert one.peer_id == fingerprint(one.public_key) != two.peer_id
+    assert len(one.peer_id) <= 128
+    started = time.perf_counter()
+    for _ in range(20):
+        one.sign(b"x" * 200)
+    print(f"\nsigning a progress message: {(time.perf_counter() - started) / 20 * 1e3:.2f} ms")
