@@ -155,7 +155,7 @@ class StageService:
             and len(msg.signature) <= 2048
         )
         try:
-            ack = self.collab.on_progress(msg) if ok else None
+            ack = await self.collab.on_progress(msg) if ok else None
         except ProgressRefused as e:
             await refuse(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
         if ack is None:

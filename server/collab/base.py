@@ -55,7 +55,7 @@ class Collaboration(Protocol):
         """Stage 0: this peer is leaving the stage; it admits no more Forwards."""
         ...
 
-    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
+    async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         """A stage peer's progress; None if this collaboration has no stage peers."""
         ...
 
@@ -93,7 +93,7 @@ class LocalSteps:
         if self.worker.samples_accumulated >= self.target:
             await self.worker.submit(self._step)
 
-    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
+    async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         return None
 
     async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:

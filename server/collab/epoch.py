@@ -23,6 +23,7 @@ worker's state lock); the phase below is the event loop's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -42,6 +43,7 @@ from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
+LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us read the DHT
 
 
 class ProgressRefused(Exception):
@@ -88,6 +90,7 @@ class StageCollaboration:
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
         self._last_lookup = 0.0  # monotonic time of the last DHT read an unlisted sender of Progress triggered
+        self._lookup_task: asyncio.Future | None = None
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
@@ -171,15 +174,16 @@ class StageCollaboration:
         await self._broadcast(end_epoch=False)
         self._spawn(self._maybe_end_epoch())
 
-    def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
-        """A stage peer's count (fields validated by the service). Never blocks: the poller acts on it. Raises
-        ProgressRefused for a message not signed by a listed stage peer, or with a count no peer can have reached;
-        an unlisted sender makes us read the DHT again (at most once a second), so a joiner is heard soon."""
-        reason = self.peers.check(msg)
+    async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
+        """A stage peer's count (fields validated by the service); the poller acts on it. Raises ProgressRefused for a
+        message not signed by the peer it names, from a peer the DHT does not list on this stage (an authentic one
+        from a peer we have not listed yet waits for a DHT read, shared by concurrent messages, at most four a
+        second), or with a count no peer can have reached."""
+        reason = self.peers.forged(msg)
+        if reason is None and self.peers.unlisted(msg):
+            await self._lookup()
+        reason = reason or self.peers.unlisted(msg)
         if reason is not None:
-            if msg.peer_id not in self.peers.peers and time.monotonic() - self._last_lookup > 1.0:
-                self._last_lookup = time.monotonic()
-                self._spawn(self.peers.refresh())
             raise ProgressRefused(reason)
         most = self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
         if max(msg.samples, msg.admitted, msg.admitted_next) > most:
@@ -199,6 +203,17 @@ class StageCollaboration:
         self._kick.set()
         self._admission.set()
         return pb.ProgressAck(epoch=self.epoch)
+
+    async def _lookup(self) -> None:
+        """Read the stage's peers from the DHT again, unless a read is under way (then wait for it) or one started
+        less than LOOKUP_INTERVAL_S ago."""
+        if self._lookup_task is None or (
+            self._lookup_task.done() and time.monotonic() - self._last_lookup > LOOKUP_INTERVAL_S
+        ):
+            self._last_lookup = time.monotonic()
+            self._lookup_task = asyncio.ensure_future(self.peers.refresh())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._lookup_task), self.network.peer_timeout)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)

@@ -3,8 +3,8 @@
 After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC),
 so every peer knows the exact total of the current epoch and a trainer that waits for its replies sees epochs end
 exactly at the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
-key of a peer whose (signed) DHT record says it serves this stage (`check`); one from a peer not listed yet is
-refused with PERMISSION_DENIED and makes us read the DHT again, so a joiner is heard from its next message on.
+key of a peer whose (signed) DHT record says it serves this stage; an authentic one from a peer we have not listed
+yet makes us read the DHT before we answer (a peer that started or joined since our last read).
 
 Owned by the event loop: only it writes. Other threads read copies (`ahead_of`, `counts_of`).
 """
@@ -37,10 +37,12 @@ class StagePeers:
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
+        self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
 
-    def check(self, msg: pb.StageProgress) -> str | None:
-        """Why `msg` must be refused (its fields are already validated by the service), or None: its sender signed it
-        with the key its peer id is the fingerprint of, and the DHT lists that peer on this stage."""
+    @staticmethod
+    def forged(msg: pb.StageProgress) -> str | None:
+        """Why `msg` was not sent by the peer it names, or None: it is signed with the key its peer id is the
+        fingerprint of."""
         if fingerprint(msg.public_key) != msg.peer_id:
             return "progress: peer_id is not the fingerprint of public_key"
         unsigned = pb.StageProgress()
@@ -48,6 +50,14 @@ class StagePeers:
         unsigned.ClearField("signature")
         if not verify(msg.public_key, unsigned.SerializeToString(), msg.signature):
             return "progress: bad signature"
+        return None
+
+    def unlisted(self, msg: pb.StageProgress) -> str | None:
+        """Why the sender of an authentic `msg` does not count (yet), or None: the DHT lists it on this stage. A peer
+        listed as still joining has joined by the time it reports (its ready record is on its way): it becomes a
+        stage peer at the address its record gives."""
+        if msg.peer_id in self.pending:
+            self.peers[msg.peer_id] = self.pending.pop(msg.peer_id)
         if msg.peer_id not in self.peers:
             return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
         return None
@@ -71,8 +81,11 @@ class StagePeers:
         """The stage's peers as the DHT lists them. A peer we know that one read misses stays until a second read
         misses it too: under load a record can be briefly absent, and forgetting a live peer (and the samples it
         reported) stalls the stage until that peer next reports, which it does only after the epoch it waits for."""
-        entries = await self.sdht.discover(self.stage)
-        listed = {e.peer_id: e.record.address for e in entries if e.peer_id != self.sdht.peer_id}
+        entries = [
+            e for e in await self.sdht.discover(self.stage, include_pending=True) if e.peer_id != self.sdht.peer_id
+        ]
+        listed = {e.peer_id: e.record.address for e in entries if e.record.ready}
+        self.pending = {e.peer_id: e.record.address for e in entries if not e.record.ready}
         self.p2p_ids.update({e.peer_id: e.record.p2p_id for e in entries})
         missed = {p: a for p, a in self.peers.items() if p not in listed and p not in self._missed_once}
         self._missed_once = set(missed)
