@@ -65,12 +65,15 @@ class GradientAveraging:
         grads: list[torch.Tensor],
         n_samples: int,
         label: str,
+        round_tag: int,
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
         every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
-        `retry_grace` seconds for that to become known before retrying."""
+        `retry_grace` seconds for that to become known before retrying. `round_tag` (the epoch) travels with our
+        part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
+        for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them."""
         started = time.monotonic()
         result = None
         while result is None and time.monotonic() - started < self.cfg.averaging_timeout and not finished_without_us():
@@ -82,6 +85,7 @@ class GradientAveraging:
                 scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
                 timeout=self.cfg.averaging_timeout,
                 allow_retries=False,
+                gather=round_tag,
                 wait=False,
             )
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
@@ -97,6 +101,10 @@ class GradientAveraging:
                     time.sleep(0.01)
         if result is None:
             logger.warning("%s: all-reduce failed", label)
+            return None
+        tags = sorted({tag for tag in result.values()}, key=repr)
+        if tags != [round_tag]:
+            logger.warning("%s: the group averaged rounds %s together: treated as a failed round", label, tags)
             return None
         numel = sum(g.numel() for g in grads)
         self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))

@@ -388,6 +388,7 @@ class StageCollaboration:
             grads,
             n,
             label=f"stage {self.stage} epoch {epoch}",
+            round_tag=epoch,
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
         )
