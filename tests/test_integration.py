@@ -56,28 +56,62 @@ def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
     assert not processes_with_marker(marker)
 
 
+def longest_stall(swarm: LocalSwarm, seconds: float) -> tuple[float, int]:
+    """Watch the trainer for `seconds`: (the longest time without a finished microbatch, microbatches finished)."""
+    started = last_change = time.monotonic()
+    steps = first = trainer_stats(swarm)["steps"]
+    longest = 0.0
+    while (now := time.monotonic()) - started < seconds:
+        current = trainer_stats(swarm).get("steps", steps)
+        if current != steps:
+            steps, last_change = current, now
+        longest = max(longest, now - last_change)
+        time.sleep(0.2)
+    return longest, steps - first
+
+
 @pytest.mark.timeout(300)
-def test_sigkill_of_a_server_loses_no_microbatch(tmp_path, marker):
+def test_a_killed_server_loses_no_microbatch_and_a_frozen_one_stalls_only_its_deadline(tmp_path, marker):
+    """SIGKILL of one stage-1 server: nothing lost. Then SIGSTOP of one stage-2 server for 20 s (alive, connected,
+    answering nothing): the swarm stalls for at most about twice the trainer's call deadline (4 x the slowest recent
+    call, at least --min-request-timeout), not --request-timeout, and loses nothing; after SIGCONT it serves again."""
     model = ["--preset", "local_debug", "--n-stages", "3", "--d-model", "64", "--max-seq-len", "64"]
     with LocalSwarm(tmp_path, "killtest", model) as swarm:
         swarm.start_dht()
         for stage in range(3):
             for r in range(2):
                 swarm.start_server(f"server-s{stage}-r{r}", stage, ["--samples-per-step", "16"])
-        swarm.start_trainer("trainer-0", ["--batch-size", "4", "--in-flight", "4", "--request-timeout", "20"])
+        trainer_flags = ["--batch-size", "4", "--in-flight", "4", "--request-timeout", "60"]
+        swarm.start_trainer("trainer-0", [*trainer_flags, "--min-request-timeout", "3"])
         wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= 20, 150, "20 microbatches")
         victim = swarm.children["server-s1-r0"]
         victim.signal_group(signal.SIGKILL)  # the machine vanishes: server, its DHT child and p2pd at once
         victim.proc.wait(10)
         steps_at_kill = trainer_stats(swarm)["steps"]
         wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= steps_at_kill + 40, 120, "40 more microbatches")
+        after_kill = trainer_stats(swarm)
+        assert after_kill["peers_per_stage"][1] == 1, "the killed peer must be banned or expired"
+
+        deadline = max(d["Backward"] for d in trainer_stats(swarm)["call_deadlines_s"])
+        frozen = swarm.children["server-s2-r0"]
+        frozen.signal_group(signal.SIGSTOP)
+        try:
+            stall, during = longest_stall(swarm, 20.0)
+        finally:
+            frozen.signal_group(signal.SIGCONT)
+        steps_at_thaw = trainer_stats(swarm)["steps"]
+        wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= steps_at_thaw + 20, 120, "20 more microbatches")
         swarm.stop(["trainer-0"])
         final = trainer_stats(swarm)
-        print(json.dumps({k: final[k] for k in ("steps", "lost_microbatches", "retries", "peers_per_stage")}))
+        summary = {
+            k: final[k] for k in ("steps", "lost_microbatches", "retries", "peers_per_stage", "call_deadlines_s")
+        }
+        print(json.dumps(summary))
+        print(f"frozen 20 s: longest stall {stall:.1f}s, {during} microbatches meanwhile, deadline before {deadline}s")
         assert final["lost_microbatches"] == 0
-        assert final["peers_per_stage"][1] == 1, "the killed peer must be banned or expired"
-        log = (tmp_path / "trainer-0.log").read_text()
-        assert "Traceback" not in log
+        assert stall <= 2 * deadline + 5, (stall, deadline)
+        assert during > 0
+        assert "Traceback" not in (tmp_path / "trainer-0.log").read_text()
 
 
 @pytest.mark.timeout(200)

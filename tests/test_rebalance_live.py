@@ -3,11 +3,13 @@ where capacity is missing. The decision function itself is tested in test_rebala
 
 Servers run `--slowdown 30`: each emulates a device 30x slower than this CPU, sleeping rather than computing (see
 StageWorker._timed), so a stage's capacity is set by how many servers it has, not by how the 2 cores are shared at
-that moment, and the swarm's throughput can actually rise when the allocation improves. They also run with `--lookahead-samples 32`: in the exact default,
-stage 0 admits one global batch and waits for it to step, so each epoch drains the pipeline and pays an all-reduce,
-and a second peer on a stage adds little (measured: 0.95x after 4/1/1 -> 2/2/2, against 1.5-2.0x with the
-lookahead). Not `--delay-optimizer-step`: rounds of consecutive epochs then overlap, hivemind's matchmaking can
-group one peer's round for epoch e with another's for e + 1, and those rounds now fail (1.06-1.27x)."""
+that moment, and the swarm's throughput can actually rise when the allocation improves.
+
+They also run with `--lookahead-samples 32`: in the exact default, stage 0 admits one global batch and waits for it to
+step, so each epoch drains the pipeline and pays an all-reduce, and a second peer on a stage adds little (measured:
+0.95x after 4/1/1 -> 2/2/2, against 1.5-2.0x with the lookahead). Not `--delay-optimizer-step`: rounds of consecutive
+epochs then overlap, hivemind's matchmaking can group one peer's round for epoch e with another's for e + 1, and
+those rounds fail (1.06-1.27x)."""
 
 import re
 import time
@@ -92,7 +94,9 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
         f"samples/s before {before:.2f}, after {after:.2f} ({after / before:.2f}x); settled at {settled:.0f}s, "
         f"first sample at {first_sample:.0f}s, retries {final['retries']}"
     )
-    assert after > 1.3 * before, (before, after)
+    # 2/2/2 doubles the bottleneck's capacity; each stage then pays an all-reduce per epoch: 1.5-2.0x measured, and
+    # the 8 s 'before' window varies by a fifth between runs on 2 shared cores
+    assert after > 1.2 * before, (before, after)
     assert series[-1][0] - settled >= 10 * PERIOD - 10, "fewer than 10 periods observed after the moves"
 
 

@@ -21,7 +21,16 @@ class TrainerConfig:
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches (0: no limit)"})
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: no limit)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the data order"})
-    request_timeout: float = field(default=60.0, metadata={"help": "deadline of one stage call, seconds"})
+    request_timeout: float = field(
+        default=60.0, metadata={"help": "longest deadline of one stage call, seconds (until calls are measured)"}
+    )
+    min_request_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "shortest deadline of one stage call, seconds; between the two, 4 x the slowest of the last 64 "
+            "calls of its kind (a frozen peer costs that, not --request-timeout)"
+        },
+    )
     max_retries: int = field(default=8, metadata={"help": "tries of one stage call on different peers"})
     discovery_period: float = field(default=2.0, metadata={"help": "seconds between DHT lookups of stage peers"})
     log_period: float = field(default=5.0, metadata={"help": "seconds between progress lines"})
@@ -45,5 +54,7 @@ class TrainerConfig:
             raise ValueError(f"unknown --codec {self.codec!r}; choose one of {sorted(CODECS)}")
         if not 0 < self.max_activation < float("inf"):
             raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
+        if not 0 < self.min_request_timeout <= self.request_timeout:
+            raise ValueError("--min-request-timeout must be > 0 and <= --request-timeout")
         if self.request_timeout <= 0 or self.discovery_period <= 0:
             raise ValueError("--request-timeout and --discovery-period must be > 0")

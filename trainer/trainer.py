@@ -1,7 +1,8 @@
 """The trainer's loop: microbatches forward through every stage, loss at the last, gradients back in reverse.
 
-Each stage call goes to the peer the stage's IWRR router picks. A failed or timed-out call bans that peer (until it
-re-announces) and is retried on another peer of the same stage; a stage with no live peer makes the microbatch wait,
+Each stage call goes to the peer the stage's IWRR router picks, with a deadline from how long such calls have been
+taking (trainer/deadlines.py). A failed or timed-out call bans that peer (until it re-announces) and is retried on
+another peer of the same stage; a stage with no live peer makes the microbatch wait,
 with a message, until discovery finds one. Several microbatches are in flight at once.
 """
 
@@ -27,6 +28,7 @@ from swarm.config import ModelConfig
 from swarm.protocol.tensors import WireError, WireStats
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
+from trainer.deadlines import CallDeadlines
 from trainer.routing import StageRouter
 from trainer.schedule import MicrobatchResult, train_microbatch
 
@@ -60,6 +62,7 @@ class Trainer:
         self.cfg, self.model_cfg, self.sdht, self.data = cfg, model_cfg, sdht, data
         self.n_stages = model_cfg.n_stages
         self.routers = [StageRouter() for _ in range(self.n_stages)]
+        self.deadlines = CallDeadlines(cap=cfg.request_timeout, floor=cfg.min_request_timeout)
         self.records: list[dict[str, ServerRecord]] = [{} for _ in range(self.n_stages)]
         self.versions = [0] * self.n_stages
         self.stats = WireStats()
@@ -188,7 +191,7 @@ class Trainer:
                     mb_id,
                     tensors,
                     expect_shape,
-                    self.cfg.request_timeout,
+                    self.deadlines.deadline(stage, method),
                     forward_version,
                     admission=admission,
                 )
@@ -203,6 +206,8 @@ class Trainer:
                     isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 )
                 router.report_failure(peer_id, timed_out=timed_out)
+                if timed_out:
+                    self.deadlines.timed_out(stage, method)
                 tried.add(peer_id)
                 attempts += 1
                 self.retries += 1
@@ -214,6 +219,7 @@ class Trainer:
                 await asyncio.sleep(min(0.05 * 2**attempts, 2.0))
                 continue
             router.report_success(peer_id, n, time.monotonic() - start)
+            self.deadlines.succeeded(stage, method, time.monotonic() - start)
             self.versions[stage] = max(self.versions[stage], reply.param_version)
             return reply
         raise MicrobatchLost(f"stage {stage} {method} failed {attempts} times; last error: {last_error!r}")
@@ -266,6 +272,10 @@ class Trainer:
             "lost_microbatches": self.lost,
             "retries": self.retries,
             "peers_per_stage": [len(r.available) for r in self.routers],
+            "call_deadlines_s": [
+                {m: round(self.deadlines.deadline(s, m), 2) for m in ("Forward", "Backward")}
+                for s in range(self.n_stages)
+            ],
             "param_versions": list(self.versions),
             **wire,
         }
