@@ -14,13 +14,14 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity, fingerprint, owner_of
-from dht.records import PeerEntry, ServerRecord, StageRecordValidator, stage_key
+from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,29 @@ def start_dht(
 
 
 class SwarmDHT:
-    def __init__(self, dht: hivemind.DHT, swarm_name: str, identity: Identity, timeout: float = 10.0):
-        """`identity` must be the one `dht` was started with (its validator signs our records)."""
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        swarm_name: str,
+        identity: Identity,
+        config: dict[str, Any] | None = None,
+        timeout: float = 10.0,
+    ):
+        """`identity` must be the one `dht` was started with (its validator signs our records). `config`: the
+        settings peers must share (dht/records.py `settings`); we announce them, and discovery skips servers whose
+        records disagree on any of them, saying which."""
         self.dht, self.swarm_name, self.identity, self.timeout = dht, swarm_name, identity, timeout
+        self.config = config or {}
+        self._reported: set[tuple[str, str]] = set()  # (peer, differences) already logged
 
     @classmethod
-    def start(cls, swarm_name: str, initial_peers: Sequence[str] = (), **kwargs) -> SwarmDHT:
+    def start(
+        cls, swarm_name: str, initial_peers: Sequence[str] = (), config: dict[str, Any] | None = None, **kwargs
+    ) -> SwarmDHT:
         """Blocking: a new identity and a DHT node signing with it (`kwargs`: those of `start_dht`)."""
         identity = Identity()
-        return cls(start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs), swarm_name, identity)
+        dht = start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs)
+        return cls(dht, swarm_name, identity, config)
 
     @property
     def peer_id(self) -> str:
@@ -76,7 +91,7 @@ class SwarmDHT:
         return str(self.dht.peer_id)
 
     async def announce(self, record: ServerRecord, ttl: float) -> bool:
-        record = dataclasses.replace(record, p2p_id=self.p2p_id)
+        record = dataclasses.replace(record, p2p_id=self.p2p_id, config=self.config)
         future = self.dht.store(
             stage_key(self.swarm_name, record.stage),
             record.to_dict(),
@@ -108,9 +123,17 @@ class SwarmDHT:
             if record is None or record.stage != stage:
                 logger.debug("skipping malformed record of %s under stage %d", fingerprint(owner), stage)
                 continue
+            if differ := differences(self.config, record.config):
+                self._report(fingerprint(owner), stage, "; ".join(differ))
+                continue
             if record.online and item.expiration_time > now and (record.ready or include_pending):
                 entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time))
         return entries
+
+    def _report(self, peer_id: str, stage: int, differ: str) -> None:
+        if (peer_id, differ) not in self._reported:
+            self._reported.add((peer_id, differ))
+            logger.warning("ignoring server %s of stage %d: its settings differ from ours: %s", peer_id, stage, differ)
 
     def shutdown(self) -> None:
         if self.dht.is_alive():

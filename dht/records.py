@@ -41,6 +41,7 @@ class ServerRecord:
     ready: bool = True
     online: bool = True  # False: a tombstone left by a peer that withdrew
     p2p_id: str = ""  # the peer's libp2p id, for hivemind's averagers (its swarm id is its key's fingerprint)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # what must match between peers: `settings`
     version: int = RECORD_VERSION
 
     @property
@@ -73,8 +74,44 @@ class ServerRecord:
             isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
             isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
+            _plain_settings(rec.config),
         )
         return rec if all(checks) else None
+
+
+def _plain_settings(config: Any) -> bool:
+    return (
+        isinstance(config, dict)
+        and len(config) <= 64
+        and all(isinstance(k, str) and len(k) <= 64 for k in config)
+        and all(
+            v is None or isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= 64)
+            for v in config.values()
+        )
+    )
+
+
+def settings(**sections: Any) -> dict[str, Any]:
+    """The settings two peers must share, flat: `settings(model=ModelConfig(...), optimizer=...)` ->
+    {"model.d_model": 128, ...}. Scalar fields only; `None` sections are left out."""
+    out = {}
+    for prefix, section in sections.items():
+        if section is None:
+            continue
+        is_instance = dataclasses.is_dataclass(section) and not isinstance(section, type)
+        values = dataclasses.asdict(section) if is_instance else dict(section)
+        out.update(
+            {f"{prefix}.{k}": v for k, v in values.items() if v is None or isinstance(v, bool | int | float | str)}
+        )
+    return out
+
+
+def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Settings both name with different values, as 'name: theirs (ours)'. A setting only one side names is not
+    compared: a trainer knows the model, not the optimizer."""
+    return [
+        f"{k}: {theirs[k]!r} (ours {ours[k]!r})" for k in sorted(ours.keys() & theirs.keys()) if ours[k] != theirs[k]
+    ]
 
 
 @dataclass(frozen=True)

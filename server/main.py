@@ -14,6 +14,7 @@ import torch
 import uvloop
 
 from dht.node import SwarmDHT
+from dht.records import settings
 from server.config import ServerConfig
 from server.stage_server import StageServer
 from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
@@ -48,8 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.compute.torch_threads > 0:
         torch.set_num_threads(cfg.compute.torch_threads)
     device = resolve_device(cfg.compute.device)
+    shared = settings(
+        model=model_cfg.shared(),
+        optimizer=cfg.optimizer,
+        epochs={k: getattr(cfg.epochs, k) for k in ("samples_per_step", "lookahead_samples", "delay_optimizer_step")},
+        averaging={"allreduce_codec": cfg.averaging.allreduce_codec},
+    )
     sdht = SwarmDHT.start(
-        cfg.network.swarm_name, cfg.network.initial_peers, host=cfg.network.host, port=cfg.network.dht_port
+        cfg.network.swarm_name, cfg.network.initial_peers, shared, host=cfg.network.host, port=cfg.network.dht_port
     )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))

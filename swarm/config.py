@@ -36,6 +36,10 @@ class ModelConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("head size (--d-model / --n-heads) must be even for rotary embeddings")
 
+    def shared(self) -> dict:
+        """The fields every peer of a swarm must agree on: all but `checkpointing` (a local memory choice)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "checkpointing"}
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads

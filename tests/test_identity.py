@@ -11,7 +11,8 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity, fingerprint
-from dht.records import ServerRecord, stage_key
+from dht.node import SwarmDHT, start_dht
+from dht.records import ServerRecord, differences, settings, stage_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 from tests.peers import SWARM, stage_servers, start_server, wait_for_async
@@ -118,3 +119,33 @@ def test_peer_ids_are_key_fingerprints():
     for _ in range(20):
         one.sign(b"x" * 200)
     print(f"\nsigning a progress message: {(time.perf_counter() - started) / 20 * 1e3:.2f} ms")
+
+
+async def test_servers_whose_settings_differ_are_not_listed_and_the_difference_is_named(caplog):
+    loop = asyncio.get_running_loop()
+    boot = await loop.run_in_executor(None, lambda: start_dht(swarm_name=SWARM))
+    peers = [str(m) for m in boot.get_visible_maddrs()]
+    ours = settings(model={"d_model": 128, "n_stages": 3}, optimizer={"lr": 2e-3})
+    theirs = settings(model={"d_model": 64, "n_stages": 3}, optimizer={"lr": 2e-3})
+    server, reader, trainer = [
+        await loop.run_in_executor(None, lambda c=c: SwarmDHT.start(SWARM, peers, c))
+        for c in (theirs, ours, settings(model={"d_model": 64, "n_stages": 3}))
+    ]
+    try:
+        assert await server.announce(ServerRecord(host="127.0.0.1", port=7000, stage=1), ttl=30)
+        with caplog.at_level("WARNING", logger="dht.node"):
+            assert await reader.discover(1) == []
+        assert "model.d_model: 64 (ours 128)" in caplog.text
+        listed = await trainer.discover(1)  # a trainer compares the model only, and this one matches
+        assert [e.peer_id for e in listed] == [server.peer_id] and listed[0].record.config == theirs
+    finally:
+        for node in (server, reader, trainer):
+            node.shutdown()
+        boot.shutdown()
+
+
+def test_settings_are_flat_and_only_shared_names_are_compared():
+    ours = settings(model={"d_model": 128, "seed": 0}, optimizer={"lr": 1e-3}, unused=None)
+    assert ours == {"model.d_model": 128, "model.seed": 0, "optimizer.lr": 1e-3}
+    assert differences(ours, {"model.d_model": 128}) == []
+    assert differences(ours, {"model.d_model": 64, "optimizer.lr": 1e-3}) == ["model.d_model: 64 (ours 128)"]

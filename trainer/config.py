@@ -25,10 +25,11 @@ class TrainerConfig:
         default=60.0, metadata={"help": "longest deadline of one stage call, seconds (until calls are measured)"}
     )
     min_request_timeout: float = field(
-        default=5.0,
+        default=20.0,
         metadata={
             "help": "shortest deadline of one stage call, seconds; between the two, 4 x the slowest of the last 64 "
-            "calls of its kind (a frozen peer costs that, not --request-timeout)"
+            "calls of its kind (a frozen peer costs that, not --request-timeout). Keep it at least twice the "
+            "servers' --averaging-timeout: a healthy server's calls wait while its stage's round waits for a peer"
         },
     )
     max_retries: int = field(default=8, metadata={"help": "tries of one stage call on different peers"})

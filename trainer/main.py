@@ -11,6 +11,7 @@ import torch
 import uvloop
 
 from dht.node import SwarmDHT
+from dht.records import settings
 from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
 from swarm.config import ModelConfig
 from trainer.config import TrainerConfig
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # the trainer only slices data and runs codecs
-    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, port=cfg.dht_port, client_mode=True)
+    shared = settings(model=model_cfg.shared())  # servers whose model differs are not called
+    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, shared, port=cfg.dht_port, client_mode=True)
     try:
         final = uvloop.run(_main(cfg, model_cfg, sdht))
         logger.info(
