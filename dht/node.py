@@ -21,18 +21,9 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.identity import Identity, fingerprint, owner_of
-from dht.lifetime import exit_with_parent
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
 
 logger = logging.getLogger(__name__)
-
-
-class OwnedDHT(hivemind.DHT):
-    """hivemind's DHT node, whose child process ends with its parent and takes its p2pd daemon along."""
-
-    def run(self) -> None:
-        exit_with_parent()
-        super().run()
 
 
 def start_dht(
@@ -50,7 +41,7 @@ def start_dht(
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    return OwnedDHT(
+    return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         client_mode=client_mode,

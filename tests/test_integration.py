@@ -1,6 +1,5 @@
 """Real swarms on 127.0.0.1: separate OS processes for the DHT, every server and every trainer."""
 
-import contextlib
 import json
 import os
 import signal
@@ -10,7 +9,6 @@ import time
 
 import pytest
 
-from dht.lifetime import own_daemons
 from swarm.tools.local import LocalSwarm
 from tests.conftest import processes_with_marker, wait_for
 
@@ -148,30 +146,3 @@ def test_ctrl_c_stops_every_process(tmp_path, marker):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
     wait_for(lambda: not processes_with_marker(marker), 10, "every process to exit")
-
-
-def test_a_killed_parent_takes_its_dht_child_and_p2pd_along(tmp_path):
-    """SIGKILL of a process that started a DHT node: hivemind's child process and its p2pd daemon exit within a few
-    seconds and the daemon's sockets are removed (dht/lifetime.py); without it they stayed for good."""
-    script = "from dht.node import start_dht; import time; d = start_dht(); print(d.pid, flush=True); time.sleep(120)"
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        child = int(parent.stdout.readline())
-        wait_for(lambda: list(own_daemons(child)), 30, "the DHT's p2pd daemon")
-        ((daemon, socket),) = own_daemons(child)
-        assert os.path.exists(socket)
-        parent.kill()
-        parent.wait(10)
-
-        def gone(pid: int) -> bool:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
-            except FileNotFoundError:
-                return True
-
-        wait_for(lambda: gone(child) and gone(daemon), 15, "the DHT child and p2pd to exit")
-        assert not os.path.exists(socket)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)

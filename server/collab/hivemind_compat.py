@@ -29,8 +29,6 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
-from dht.lifetime import exit_with_parent
-
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
 
@@ -110,12 +108,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 class StrictAverager(DecentralizedAverager):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
-    values (ExactAllReduceRunner), that can download the state of one named peer, and whose process ends with its
-    parent (dht/lifetime.py)."""
-
-    def run(self):
-        exit_with_parent()
-        super().run()
+    values (ExactAllReduceRunner), and that can download the state of one named peer."""
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """Averages `tensors` in place with the group. hivemind counts a round in which some reducers timed out as a
