@@ -10,11 +10,13 @@ between stage peers are signed with the same key (server/collab/progress.py).
 from __future__ import annotations
 
 import hashlib
+import re
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 MAX_PUBLIC_KEY_BYTES = 1024  # a serialized 2048-bit RSA public key is ~400 bytes
+_OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)  # hivemind's own pattern for "[owner:<key>]"
 
 
 def fingerprint(public_key: bytes) -> str:
@@ -42,7 +44,7 @@ def owner_of(subkey: object) -> bytes | None:
     """The public key a DHT subkey names as its owner, or None if it names none (an unprotected record)."""
     if not isinstance(subkey, bytes):
         return None
-    found = RSASignatureValidator._PUBLIC_KEY_RE.fullmatch(subkey)
+    found = _OWNER.fullmatch(subkey)
     return found.group(1) if found else None
 
 

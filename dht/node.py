@@ -132,6 +132,8 @@ class SwarmDHT:
 
     def _report(self, peer_id: str, stage: int, differ: str) -> None:
         if (peer_id, differ) not in self._reported:
+            if len(self._reported) >= 1024:  # many keys that differ: say it again rather than remember them all
+                self._reported.clear()
             self._reported.add((peer_id, differ))
             logger.warning("ignoring server %s of stage %d: its settings differ from ours: %s", peer_id, stage, differ)
 

@@ -318,15 +318,19 @@ class StageWorker:
         (no step: counted in `steps_skipped`). A step that leaves a parameter non-finite is undone: the parameters
         are restored bitwise and `param_version` stays (`steps_rolled_back`); the optimizer's moments keep that
         step's finite gradient. Same inputs, same outcome: peers that apply one average stay equal either way."""
-        norm = total_norm([p.grad for p in self.params])
+        clip = self.optim_cfg.clip_grad_norm
+        # one pass over the gradients: clipping measures their norm anyway (and scales them to NaN if it is not finite)
+        norm = (
+            float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+            if clip > 0
+            else total_norm([p.grad for p in self.params])
+        )
         if not math.isfinite(norm):
             self.steps_skipped += 1
             logger.error("stage %d: gradients to apply are not finite (norm %s); no step", self.stage.index, norm)
             return
         self._stash_parameters()
         before = self._stash.get(self.param_version) or [p.detach().clone() for p in self.params]
-        if self.optim_cfg.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm)
         self.optimizer.step()
         self.schedule.step()
         if all_finite(self.params):

@@ -202,8 +202,40 @@ def test_records_validate_load_fields():
         ("throughput", math.nan),
         ("joined_at", "x"),
         ("ready", 1),
+        ("p2p_id", 5),
+        ("p2p_id", "x" * 129),
+        ("config", "model.d_model=64"),
+        ("config", {"k": [1, 2]}),
+        ("config", {"k": "v" * 65}),
+        ("config", {str(i): i for i in range(65)}),
+        ("config", {5: 5}),
     ):
         assert ServerRecord.from_dict({**good, field: bad}) is None, (field, bad)
+
+
+def test_the_stage_record_validator_keeps_only_owned_well_formed_records_of_the_stage():
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer as M
+
+    from dht.identity import Identity
+    from dht.records import ServerRecord, StageRecordValidator
+
+    validator, owner = StageRecordValidator("s"), Identity().owner_subkey
+    key = {stage: k for k, stage in validator.stages.items()}
+    good = ServerRecord(host="h", port=1, stage=1, config={"model.d_model": 64}).to_dict()
+
+    def valid(subkey, value, stage=1, raw=None) -> bool:
+        return validator.validate(DHTRecord(key[stage], M.dumps(subkey), raw or M.dumps(value), 1.0))
+
+    assert valid(owner, good)
+    assert not valid("peer-id", good), "an unprotected subkey"
+    assert not valid(owner + b"x", good), "not exactly an owner subkey"
+    assert not valid(owner, good, stage=2), "a record of another stage"
+    assert not valid(owner, {**good, "port": 0})
+    assert not valid(owner, {**good, "config": {"k": "v" * 5000}})
+    assert not valid(owner, None, raw=b"\xc1 not msgpack")
+    assert not valid(owner, None, raw=M.dumps("x" * 5000)), "oversized"
+    assert validator.validate(DHTRecord(b"another key", M.dumps("any"), M.dumps("any"), 1.0)), "not a stage key"
 
 
 def test_server_flags_configure_the_rebalancer():
