@@ -36,6 +36,7 @@ SERVER_FLAGS = [
     "--rebalance-cooldown-s",
     "15",
 ]
+MOVE_LOG = re.compile(r"moving from|moved from|did not end within|no peer sent its state")
 MOVED = re.compile(r"(\S+ \S+) INFO swarm.server: moved from stage (\d+) to stage (\d+)")
 
 
@@ -68,12 +69,18 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
         started, series, peers = time.monotonic(), [], []
         wait_for(lambda: (s := swarm.trainer_stats()) and s[0]["samples"] > 0, 180, "the first trained microbatch")
         first_sample = time.monotonic() - started
-        deadline = time.monotonic() + 11 * PERIOD + 20  # the moves take ~3 periods; then 10 more
-        while time.monotonic() < deadline:
+        # the moves take ~3 periods (a move waits up to --migration-drain-s for its stage's epoch to end); then 10
+        # more periods are observed after the last change the trainer saw, within a hard limit
+        limit = time.monotonic() + 240
+        while time.monotonic() < limit:
             assert trainer.alive(), swarm.tail(trainer)
             stats = swarm.trainer_stats()[0]
-            series.append((time.monotonic() - started, stats["samples"]))
-            peers.append((time.monotonic() - started, stats["peers_per_stage"]))
+            now = time.monotonic() - started
+            series.append((now, stats["samples"]))
+            peers.append((now, stats["peers_per_stage"]))
+            changed = max((t for (t, p), (_, q) in zip(peers[1:], peers, strict=False) if p != q), default=first_sample)
+            if now > first_sample + 11 * PERIOD + 20 and now - changed > 10 * PERIOD:
+                break
             time.sleep(1.0)
         final = swarm.trainer_stats()[0]
         made = moves(tmp_path)
@@ -82,6 +89,10 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
     log = "\n".join(f"{name}: {m}" for name, m in made.items())
     all_moves = [m for m in made.values() for m in m]
     print(f"\nmoves per server:\n{log}\npeers per stage over time: {peers[::5]}")
+    for path in sorted(tmp_path.glob("server-*.log")):  # how long each move took, and why
+        for line in path.read_text().splitlines():
+            if MOVE_LOG.search(line):
+                print(f"{path.stem}: {line[24:]}")
     assert sorted(all_moves) == [(0, 1), (0, 2)], f"expected one move 0->1 and one 0->2:\n{log}"
     assert final["lost_microbatches"] == 0
     assert peers[-1][1] == [2, 2, 2], peers[-10:]
