@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model_cfg.shared(),
         optimizer=cfg.optimizer,
         epochs={k: getattr(cfg.epochs, k) for k in ("samples_per_step", "lookahead_samples", "delay_optimizer_step")},
-        averaging={"allreduce_codec": cfg.averaging.allreduce_codec},
+        averaging={k: v for k, v in vars(cfg.averaging).items() if k.startswith("allreduce_")},
     )
     sdht = SwarmDHT.start(
         cfg.network.swarm_name, cfg.network.initial_peers, shared, host=cfg.network.host, port=cfg.network.dht_port

@@ -178,6 +178,7 @@ class StageService:
             requests_rejected=self.requests_rejected,
             requests_busy=self.requests_busy,
             allreduce_bytes=self.collab.allreduce_bytes,
+            allreduce_fp32_bytes=self.collab.allreduce_fp32_bytes,
             backwards_at_stashed_version=w.backwards_at_stashed_version,
             backwards_past_stash=w.backwards_past_stash,
             compression=self.collab.policy.describe(),

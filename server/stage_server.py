@@ -249,7 +249,7 @@ class StageServer:
             w = self.worker
             logger.info(
                 "stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
-                "queue %d, rejected %d, all-reduce %.1f MB",
+                "queue %d, rejected %d, all-reduce %.2f MB (fp32 %.2f MB)",
                 self.stage,
                 w.epoch,
                 w.samples_processed,
@@ -258,6 +258,7 @@ class StageServer:
                 w.queue_length,
                 self.service.requests_rejected,
                 self.collab.allreduce_bytes / 1e6,
+                self.collab.allreduce_fp32_bytes / 1e6,
             )
 
     async def checkpoint_forever(self, stop: asyncio.Event, directory: str) -> None:

@@ -43,10 +43,11 @@ async def hide_from_state_sharing(server: StageServer) -> None:
     assert await asyncio.get_running_loop().run_in_executor(None, store)
 
 
-async def start_server(initial_peers: list[str]) -> StageServer:
+async def start_server(initial_peers: list[str], **averaging) -> StageServer:
+    """A peer of stage 0; `averaging`: AveragingConfig fields other than the tests' defaults."""
     loop = asyncio.get_running_loop()
     sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
-    server = StageServer(server_config(initial_peers), MODEL, sdht, torch.device("cpu"))
+    server = StageServer(server_config(initial_peers, **averaging), MODEL, sdht, torch.device("cpu"))
     await server.enter(0)
     return server
 
@@ -65,13 +66,13 @@ async def stage_servers():
         boot.shutdown()
 
 
-def server_config(initial_peers: list[str]) -> ServerConfig:
+def server_config(initial_peers: list[str], **averaging) -> ServerConfig:
     return ServerConfig(
         stage="0",
         network=NetworkConfig(initial_peers=initial_peers, announce_period=1.0),
         optimizer=OptimizerConfig(clip_grad_norm=0.0),
         compute=ComputeConfig(torch_threads=1),
         epochs=EpochConfig(samples_per_step=8, progress_period=0.1),
-        averaging=AveragingConfig(matchmaking_time=0.5, averaging_timeout=TIMEOUT),
+        averaging=AveragingConfig(matchmaking_time=0.5, averaging_timeout=TIMEOUT, **averaging),
         rebalance=False,
     )

@@ -23,8 +23,15 @@ from tests.peers import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-@pytest.mark.parametrize("busy_peer", ["with_samples", "without_samples"])
-async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samples(busy_peer):
+ACP = dict(allreduce_codec="acp", allreduce_warmup_epochs=0)  # epoch 0 is a low-rank round
+
+
+@pytest.mark.parametrize(
+    "busy_peer,averaging",
+    [("with_samples", {}), ("without_samples", {}), ("with_samples", ACP), ("without_samples", ACP)],
+    ids=["with_samples", "without_samples", "with_samples-acp", "without_samples-acp"],
+)
+async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samples(busy_peer, averaging):
     """B processes the whole global batch, A none. Then one of them is busy for longer than the other's all-reduce
     waits, so the round fails on both.
 
@@ -33,10 +40,11 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
     - A busy: B steps alone. When A gets to the round, B has finished the epoch: A must copy B at once rather than
       retry a round nobody is left for (a futile attempt lasts --averaging-timeout).
 
-    Both end at epoch 1 with the parameters of a single-process step on B's samples."""
+    Both end at epoch 1 with the parameters of a single-process step on B's samples; with ACP-SGD averaging, also
+    with the same low-rank factors (the failed round committed none, the copy carries them)."""
     async with stage_servers() as (peers, servers):
         for _ in range(2):  # the first starts from the seed; the second downloads its state (identical anyway)
-            servers.append(await start_server(peers))
+            servers.append(await start_server(peers, **averaging))
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
         a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
         await wait_for_async(
@@ -76,6 +84,9 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             assert torch.equal(pa, pb), f"{name}: the peers hold different parameters"
             assert torch.allclose(pa, p, rtol=0, atol=1e-6), f"{name}: not the single-process step"
         assert a.worker.param_version == b.worker.param_version == 1
+        if averaging:
+            factors = [s.collab.averaging.gradients.acp.shared_tensors() for s in (a, b)]
+            assert all(torch.equal(x, y) for x, y in zip(*factors, strict=True)), "the peers hold different factors"
 
 
 async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state():

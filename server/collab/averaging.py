@@ -20,9 +20,10 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from server.collab.hivemind_compat import StrictAverager, start_in_background
+from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_Q, AcpState, Layout
 from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
-from swarm.compression import Codec, CompressionPolicy, TensorRole
+from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
@@ -40,16 +41,47 @@ def butterfly_bytes(codec: Codec, numel: int, dtype: torch.dtype, group: int) ->
 
 
 class StageAverager(StrictAverager):
-    """Averages a stage's gradients; serves the stage's parameters, optimizer state and epoch to peers that join."""
+    """Averages a stage's gradients; serves the stage's parameters, optimizer state and epoch to peers that join.
 
-    def __init__(self, worker: StageWorker, **kwargs):
-        self._worker = worker  # before super().__init__: the state thread may ask at once
+    Every round gathers (epoch, phase) from each peer of its group, and runs only if they all agree: a group that
+    met across epochs fails before sending anything. The phase says what is averaged: the gradients whole, or with
+    ACP-SGD (`acp`) the P or Q factors of the low-rank tensors and the rest whole."""
+
+    def __init__(self, worker: StageWorker, acp: AcpState | None = None, **kwargs):
+        self._worker, self.acp = worker, acp  # before super().__init__: the state thread may ask at once
+        # shared memory, allocated before the averager's process forks: the round's factors travel through these
+        self.factors = {
+            phase: [torch.zeros(shape).share_memory_() for shape in acp.layout.factor_shapes(phase)] if acp else []
+            for phase in (PHASE_P, PHASE_Q)
+        }
         super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.params], **kwargs)
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
+        if self.acp is not None:
+            shared = self.acp.shared_tensors()
+            meta, tensors = {**meta, "lowrank": len(shared)}, [*tensors, *shared]
         logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], state_digest(tensors))
         return meta, tensors, None
+
+    def split_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A downloaded state's (worker tensors, low-rank factors), checked against ours; raises ValueError."""
+        n = meta.get("lowrank", 0)
+        if not isinstance(n, int) or not 0 <= n <= len(tensors) or (n > 0) != (self.acp is not None):
+            raise ValueError(f"the state's low-rank factors ({n!r}) do not match this stage's --allreduce-codec")
+        worker_tensors, factors = tensors[: len(tensors) - n], tensors[len(tensors) - n :]
+        if self.acp is not None:
+            self.acp.check_shared(factors)
+        return worker_tensors, factors
+
+    def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averager's process: a (epoch, phase) round averages the whole gradients or the phase's factors."""
+        phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
+        if phase == PHASE_FULL:
+            return local
+        if self.acp is None or phase not in self.factors:
+            raise ValueError(f"a round of phase {phase!r} on an averager without low-rank factors")
+        return [*self.factors[phase], *(local[i] for i in self.acp.layout.whole)]
 
 
 class GradientAveraging:
@@ -58,7 +90,9 @@ class GradientAveraging:
 
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
-        self.bytes = 0  # what this peer sent and received, estimated from the codec's encoded size
+        self.scheme = cfg.scheme  # travels with every round: peers whose parts would not add up never average
+        self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
+        self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
 
     def average(
         self,
@@ -74,18 +108,42 @@ class GradientAveraging:
         `retry_grace` seconds for that to become known before retrying. `round_tag` (the epoch) travels with our
         part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
         for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them."""
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, g in zip(buffers, grads, strict=True):
+                buf.copy_(g)
+
+        numel = sum(g.numel() for g in grads)
+        if not self._run(fill, n_samples, label, [round_tag, PHASE_FULL, self.scheme], (numel, numel), finished_without_us,
+                         retry_grace):  # fmt: skip
+            return None
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        return averaged if self._finite(averaged, label) else None
+
+    def _run(
+        self,
+        fill: Callable[[list[torch.Tensor]], None],
+        n_samples: int,
+        label: str,
+        gather: list,
+        numel: tuple[int, int],
+        finished_without_us: Callable[[], bool],
+        retry_grace: float,
+    ) -> bool:
+        """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
+        `numel`: (values sent, values of the whole gradients), for the byte counts."""
         started = time.monotonic()
         result = None
         while result is None and time.monotonic() - started < self.cfg.averaging_timeout and not finished_without_us():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
-                for buf, g in zip(buffers, grads, strict=True):
-                    buf.copy_(g)
+                fill(buffers)
             control = self.averager.step(
                 weight=float(n_samples),
                 scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
                 timeout=self.cfg.averaging_timeout,
                 allow_retries=False,
-                gather=round_tag,
+                gather=gather,
                 wait=False,
             )
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
@@ -101,23 +159,69 @@ class GradientAveraging:
                     time.sleep(0.01)
         if result is None:
             logger.warning("%s: all-reduce failed", label)
-            return None
-        tags = sorted({tag for tag in result.values()}, key=repr)
-        if tags != [round_tag]:
+            return False
+        tags = sorted({repr(tag) for tag in result.values()})
+        if tags != [repr(gather)]:  # also refused in the averager's process, before anything is sent
             logger.warning("%s: the group averaged rounds %s together: treated as a failed round", label, tags)
-            return None
-        numel = sum(g.numel() for g in grads)
-        self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
-        with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers]
-        if not all(bool(torch.isfinite(a).all()) for a in averaged):
-            # a group whose weights sum to 0 (nobody had samples) averages 0/0; anything else non-finite is garbage
-            logger.warning("%s: the all-reduce returned non-finite values: treated as a failed round", label)
-            return None
+            return False
+        self.bytes += butterfly_bytes(self.codec, numel[0], torch.float32, len(result))
+        self.fp32_bytes += butterfly_bytes(get_codec("none"), numel[1], torch.float32, len(result))
         logger.info(
             "%s: averaged %d samples with %d peers in %.2fs", label, n_samples, len(result), time.monotonic() - started
         )
-        return averaged
+        return True
+
+    @staticmethod
+    def _finite(averaged: list[torch.Tensor], label: str) -> bool:
+        if all(bool(torch.isfinite(a).all()) for a in averaged):
+            return True
+        # a group whose weights sum to 0 (nobody had samples) averages 0/0; anything else non-finite is garbage
+        logger.warning("%s: the all-reduce returned non-finite values: treated as a failed round", label)
+        return False
+
+
+class LowRankGradientAveraging(GradientAveraging):
+    """ACP-SGD (see server/collab/lowrank.py): after --allreduce-warmup-epochs of whole gradients, each round averages
+    one factor of each low-rank tensor. A failed round changes neither the factors nor the error feedback."""
+
+    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec, acp: AcpState):
+        super().__init__(averager, cfg, codec)
+        self.acp = acp
+
+    def average(
+        self,
+        grads: list[torch.Tensor],
+        n_samples: int,
+        label: str,
+        round_tag: int,
+        finished_without_us: Callable[[], bool] = lambda: False,
+        retry_grace: float = 0.0,
+    ) -> list[torch.Tensor] | None:
+        if round_tag < self.cfg.allreduce_warmup_epochs:
+            return super().average(grads, n_samples, label, round_tag, finished_without_us, retry_grace)
+        layout, shapes = self.acp.layout, [g.shape for g in grads]
+        rnd = self.acp.compress(grads, round_tag)
+        factors = self.averager.factors[rnd.phase]
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, f in zip(factors, rnd.factors, strict=True):
+                buf.copy_(f)
+            for i in layout.whole:
+                buffers[i].copy_(grads[i])
+
+        numel = (layout.sent_numel(rnd.phase, shapes), sum(g.numel() for g in grads))
+        if not self._run(
+            fill, n_samples, label, [round_tag, rnd.phase, self.scheme], numel, finished_without_us, retry_grace
+        ):
+            return None
+        with self.averager.get_tensors() as buffers:
+            averaged_factors = [f.clone() for f in factors]
+            whole = {i: buffers[i].clone() for i in layout.whole}
+        if not self._finite([*averaged_factors, *whole.values()], label):
+            return None
+        low_rank = dict(zip(layout.matrices, self.acp.decompress(rnd, averaged_factors, shapes), strict=True))
+        self.acp.commit(rnd, averaged_factors, had_samples=n_samples > 0)
+        return [whole[i] if i in whole else low_rank[i] for i in range(len(grads))]
 
 
 class ParameterAveraging:
@@ -127,7 +231,7 @@ class ParameterAveraging:
 
     def __init__(self, averager: StrictAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
-        self.bytes = 0
+        self.bytes = self.fp32_bytes = 0
 
     def average(self, worker: StageWorker) -> None:
         """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
@@ -150,6 +254,7 @@ class ParameterAveraging:
             return
         numel = sum(p.numel() for p in worker.params)
         self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
+        self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, len(result))
         with worker.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.params, strict=False):
                 p.copy_(buf)
@@ -166,6 +271,10 @@ class Averaging:
     @property
     def bytes(self) -> int:
         return self.gradients.bytes + self.parameters.bytes
+
+    @property
+    def fp32_bytes(self) -> int:
+        return self.gradients.fp32_bytes + self.parameters.fp32_bytes
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
         return (self.gradients.averager, self.parameters.averager)
@@ -200,8 +309,13 @@ def build_averaging(
         next_chunk_timeout=cfg.averaging_timeout,
     )
     grad_codec = policy.codec(TensorRole.ALLREDUCE_GRADIENTS)
+    acp = None
+    if cfg.allreduce_codec == "acp":  # every peer of the stage starts from the same factors
+        layout = Layout.of([p.shape for p in worker.params], cfg.allreduce_rank)
+        acp = AcpState(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
     averager = StageAverager(
         worker,
+        acp,
         prefix=prefix,
         compression=hivemind_compression(grad_codec),
         state_compression=hivemind_compression(policy.codec(TensorRole.STATE)),
@@ -218,7 +332,9 @@ def build_averaging(
         **common,
     )
     return Averaging(
-        gradients=GradientAveraging(averager, cfg, grad_codec),
+        gradients=LowRankGradientAveraging(averager, cfg, grad_codec, acp)
+        if acp
+        else GradientAveraging(averager, cfg, grad_codec),  # fmt: skip
         parameters=ParameterAveraging(param_averager, cfg, param_codec),
         state=averager,
     )

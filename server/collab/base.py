@@ -22,6 +22,11 @@ class Collaboration(Protocol):
     @property
     def allreduce_bytes(self) -> int: ...
 
+    @property
+    def allreduce_fp32_bytes(self) -> int:
+        """What the same rounds would have cost with whole fp32 tensors."""
+        ...
+
     async def launch(self) -> None: ...
 
     async def join(self) -> bool:
@@ -63,7 +68,7 @@ class Collaboration(Protocol):
 class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
-    allreduce_bytes = 0
+    allreduce_bytes = allreduce_fp32_bytes = 0
 
     def __init__(self, worker: StageWorker, target: int):
         self.worker, self.target = worker, target

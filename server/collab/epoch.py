@@ -79,7 +79,7 @@ class StageCollaboration:
     ):
         self.worker, self.sdht, self.stage = worker, sdht, stage
         self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
-        self.policy = CompressionPolicy(allreduce_gradients=averaging.allreduce_codec)
+        self.policy = CompressionPolicy(allreduce_gradients=averaging.wire_codec)
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.phase = Phase.ACCUMULATING
@@ -115,6 +115,10 @@ class StageCollaboration:
         return self.averaging.bytes
 
     @property
+    def allreduce_fp32_bytes(self) -> int:
+        return self.averaging.fp32_bytes
+
+    @property
     def busy(self) -> bool:
         return self.phase in (Phase.ENDING, Phase.RECOVERING)
 
@@ -127,7 +131,7 @@ class StageCollaboration:
         so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
         overruns --averaging-timeout."""
         check_version()
-        if self.averaging_cfg.allreduce_codec == "blockwise8":
+        if self.averaging_cfg.wire_codec == "blockwise8":
             await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
         self.averaging.launch()
         await asyncio.to_thread(self.averaging.wait_until_ready, timeout)

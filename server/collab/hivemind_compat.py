@@ -2,6 +2,8 @@
 
 An upgrade of hivemind means re-reading exactly what this module touches:
 - `DecentralizedAverager._run_allreduce_inplace_` (replaced: it builds our runner and copies its results in),
+  `._aggregate_with_group` (replaced: it checks the group's gathered round data and picks the tensors to average),
+  `.serializer`, `.peer_id`, `GroupInfo.gathered` (each peer's [bandwidth, mode, gathered bytes]), `load_balance_peers`;
   `._running_groups`, `._averaging_alpha`, `.last_updated`, `._state_updated`;
 - `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
   `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
@@ -21,13 +23,15 @@ import signal
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
 
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
@@ -109,6 +113,39 @@ class ExactAllReduceRunner(AllReduceRunner):
 class StrictAverager(DecentralizedAverager):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
     values (ExactAllReduceRunner), and that can download the state of one named peer."""
+
+    def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The averager's process: the tensors a round averages, given what this peer gathered for it (all of the
+        averaged tensors here; a subclass may pick others, allocated in shared memory before the process forked)."""
+        return local
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        """hivemind's, but a group whose peers gathered different round data (another epoch's round, or another
+        phase of it) fails before anything is sent, and the round averages the tensors `round_tensors` picks."""
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes), strict=True))
+            rounds = sorted({repr(g) for g in gathered.values()})
+        except Exception as e:
+            raise MatchmakingException(f"malformed round data in the group: {e!r}") from e
+        if len(rounds) != 1:
+            raise MatchmakingException(f"the group gathered different rounds {rounds}: not averaged together")
+        download_bandwidths = [
+            bw if AveragingMode(mode) != AveragingMode.CLIENT else 0.0
+            for bw, mode in zip(bandwidths, mode_ids, strict=False)
+        ]
+        try:
+            async with enter_asynchronously(self.get_tensors()) as local:
+                tensors = self.round_tensors(gathered[self.peer_id], list(local))
+                if len(tensors) != len(local) or any(t is not u for t, u in zip(tensors, local, strict=False)):
+                    kwargs.pop("tensor_infos", None)  # those describe the averaged tensors
+                fractions = await asyncio.get_event_loop().run_in_executor(
+                    None, load_balance_peers, sum(t.numel() for t in tensors), download_bandwidths, min_vector_size
+                )
+                await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=fractions, **kwargs)
+            return gathered
+        except BaseException as e:
+            raise MatchmakingException(f"Unable to run All-Reduce: {e!r}") from e
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """Averages `tensors` in place with the group. hivemind counts a round in which some reducers timed out as a

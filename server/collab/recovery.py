@@ -109,8 +109,11 @@ class Recovery:
 
     def load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs."""
+        worker_tensors, factors = self.averager.split_state(meta, tensors)  # checked before anything changes
         self.worker.drop_gradients()
-        self.worker.load_state(meta, tensors)
+        self.worker.load_state(meta, worker_tensors)
+        if self.averager.acp is not None:
+            self.averager.acp.load_shared(factors)
         logger.info(
             "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
         )

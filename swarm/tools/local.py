@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config import (
+    LOW_RANK_CODECS,
     AveragingConfig,
     ComputeConfig,
     EpochConfig,
@@ -69,7 +70,17 @@ class LocalConfig:
     lr: float = field(default=OptimizerConfig.lr, metadata={"help": "servers' learning rate"})
     allreduce_codec: str = field(
         default=AveragingConfig.allreduce_codec,
-        metadata={"help": "codec of the stages' gradient all-reduce", "choices": sorted(CODECS)},
+        metadata={"help": "codec of the stages' gradient all-reduce", "choices": [*sorted(CODECS), *LOW_RANK_CODECS]},
+    )
+    allreduce_rank: int = field(default=AveragingConfig.allreduce_rank, metadata={"help": "acp: rank of the factors"})
+    allreduce_warmup_epochs: int = field(
+        default=AveragingConfig.allreduce_warmup_epochs, metadata={"help": "acp: epochs averaged whole first"}
+    )
+    allreduce_error_feedback: bool = field(
+        default=AveragingConfig.allreduce_error_feedback, metadata={"help": "acp: error feedback"}
+    )
+    allreduce_query_reuse: bool = field(
+        default=AveragingConfig.allreduce_query_reuse, metadata={"help": "acp: reuse the last round's factors"}
     )
     delay_optimizer_step: bool = field(
         default=EpochConfig.delay_optimizer_step,
@@ -125,7 +136,10 @@ class LocalConfig:
                 delay_optimizer_step=self.delay_optimizer_step,
                 lookahead_samples=self.lookahead_samples,
             ),
-            averaging=dataclasses.replace(base.averaging, allreduce_codec=self.allreduce_codec),
+            averaging=dataclasses.replace(
+                base.averaging,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("allreduce_")},
+            ),
             compute=dataclasses.replace(base.compute, slowdown=self.slowdown),
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
         )

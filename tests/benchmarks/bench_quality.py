@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,13 @@ def configurations() -> dict[str, LocalConfig]:
         "lookahead 8": dataclasses.replace(d, lookahead_samples=8),
         "lookahead 16": dataclasses.replace(d, lookahead_samples=16),
         "lookahead 32": dataclasses.replace(d, lookahead_samples=32),
+        # ACP-SGD stage averaging (server/collab/lowrank.py), and the paper's ablations
+        "all-reduce acp": dataclasses.replace(d, allreduce_codec="acp"),
+        "acp rank 1": dataclasses.replace(d, allreduce_codec="acp", allreduce_rank=1),
+        "acp rank 16": dataclasses.replace(d, allreduce_codec="acp", allreduce_rank=16),
+        "acp without warm-up": dataclasses.replace(d, allreduce_codec="acp", allreduce_warmup_epochs=0),
+        "acp without error feedback": dataclasses.replace(d, allreduce_codec="acp", allreduce_error_feedback=False),
+        "acp without query reuse": dataclasses.replace(d, allreduce_codec="acp", allreduce_query_reuse=False),
     }
 
 
@@ -220,6 +228,21 @@ def swarm_models(cfg: ModelConfig, log_dir: Path, allocation: list[int]) -> tupl
     return models, gaps
 
 
+STATUS = re.compile(r"epoch (\d+), .* all-reduce ([\d.]+) MB \(fp32 ([\d.]+) MB\)")
+
+
+def allreduce_bytes(log_dir: Path) -> tuple[float, float, int]:
+    """(MB the servers' averaging sent and received, MB whole fp32 tensors would have, epochs), summed over servers
+    from the last status line each logged."""
+    sent = fp32 = epochs = 0
+    for path in log_dir.glob("server-*.log"):
+        found = STATUS.findall(path.read_text())
+        if found:
+            epoch, mb, fp32_mb = found[-1]
+            sent, fp32, epochs = sent + float(mb), fp32 + float(fp32_mb), epochs + int(epoch)
+    return sent, fp32, epochs
+
+
 def throughput(log_dir: Path, trainers: int) -> float:
     """Samples/s of the trainers over their last 80% of microbatches (start-up excluded), summed over trainers."""
     total = 0.0
@@ -229,6 +252,12 @@ def throughput(log_dir: Path, trainers: int) -> float:
         span = records[-1]["t"] - first["t"]
         total += (records[-1]["step"] - first["step"]) * records[-1]["batch"] / span if span > 0 else float("nan")
     return total
+
+
+def allreduce_cell(mb: float, fp32_mb: float, epochs: int) -> str:
+    if not epochs or not mb:
+        return "-"
+    return f"{mb / epochs:.3f} ({fp32_mb / mb:.1f}x)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 "one_process_steps": ref["steps"],
                 "peer_gap": gaps,
                 "samples_per_second": throughput(run["log_dir"], local.trainers),
+                "allreduce_mb_fp32_mb_epochs": allreduce_bytes(run["log_dir"]),
                 "lost": sum(s["lost_microbatches"] for s in run["stats"]),
                 "log_dir": str(run["log_dir"]),
             }
@@ -302,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "stage steps",
             "peer gap",
             "samples/s",
+            "all-reduce MB/peer-epoch (fp32/sent)",
         ],
         [
             [
@@ -314,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 "/".join(map(str, r["stage_steps"])) + f" ({r['one_process_steps']})",
                 "/".join(f"{g:.1e}" for g in r["peer_gap"]),
                 f"{r['samples_per_second']:.1f}",
+                allreduce_cell(*r["allreduce_mb_fp32_mb_epochs"]),
             ]
             for r in results
         ],

@@ -1,0 +1,122 @@
+"""ACP-SGD's math (server/collab/lowrank.py), without the network: which tensors go low-rank, exact reconstruction of
+low-rank gradients, error feedback's bookkeeping, rounds that fail, and garbage factors from a peer."""
+
+import pytest
+import torch
+
+from server.collab.lowrank import PHASE_P, PHASE_Q, AcpState, Layout
+
+
+def low_rank(n: int, m: int, r: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, r, generator=gen) @ torch.randn(r, m, generator=gen)
+
+
+def one_peer_round(acp: AcpState, grads: list[torch.Tensor], epoch: int) -> list[torch.Tensor]:
+    """A round of one peer: the all-reduce hands back its own factors."""
+    rnd = acp.compress(grads, epoch)
+    out = acp.decompress(rnd, rnd.factors, [grads[i].shape for i in acp.layout.matrices])
+    acp.commit(rnd, rnd.factors, had_samples=True)
+    return out
+
+
+def test_layout_sends_matrices_as_factors_only_where_they_are_smaller():
+    shapes = [torch.Size(s) for s in [(64, 32), (64,), (4, 4), (8, 2, 16), (3, 1000)]]
+    layout = Layout.of(shapes, rank=4)
+    assert layout.matrices == (0, 3)  # (4, 4): factors of 32 values for 16; (3, 1000): rank 3, factors 3009 > 3000
+    assert layout.dims == ((64, 32, 4), (8, 32, 4))
+    assert layout.whole == (1, 2, 4)
+    assert layout.sent_numel(PHASE_P, shapes) == 64 * 4 + 8 * 4 + 64 + 16 + 3000
+    assert layout.sent_numel(PHASE_Q, shapes) == 32 * 4 + 32 * 4 + 64 + 16 + 3000
+    with pytest.raises(ValueError, match="rank"):
+        Layout.of(shapes, rank=0)
+
+
+def test_acp_reconstructs_a_low_rank_gradient_once_the_query_spans_it():
+    """Round 1 (P) projects M onto a random query's span; round 2 (Q) multiplies by orth(P), which spans M's columns:
+    the approximation is M itself. With error feedback the two rounds together send exactly 2M."""
+    m = low_rank(48, 40, 3, seed=0)
+    plain = AcpState(Layout.of([m.shape], rank=4), seed=1, error_feedback=False)
+    first, second = one_peer_round(plain, [m], 0)[0], one_peer_round(plain, [m], 1)[0]
+    assert (first - m).norm() / m.norm() > 0.1, "a random query already spanned M: the test shows nothing"
+    assert torch.allclose(second, m, atol=1e-4), (second - m).abs().max()
+
+    ef = AcpState(Layout.of([m.shape], rank=4), seed=1)
+    total = one_peer_round(ef, [m], 0)[0] + one_peer_round(ef, [m], 1)[0]
+    assert torch.allclose(total, 2 * m, atol=1e-4)
+    assert ef.errors[0].abs().max() < 1e-4
+
+
+def test_error_feedback_keeps_the_sum_of_sent_gradients_on_the_sum_of_true_ones():
+    """Full-rank, slowly changing gradients at rank 2: what was sent plus the residual is always what was computed,
+    and the residual levels off instead of growing with the steps, so the sums' relative gap shrinks like 1/steps
+    (measured: 0.22 after 60 steps, 0.07 after 200). Without error feedback it stays at 0.86."""
+    gen = torch.Generator().manual_seed(2)
+    base, shapes = torch.randn(32, 24, generator=gen), [torch.Size((32, 24))]
+    gaps = {}
+    for ef in (True, False):
+        acp = AcpState(Layout.of(shapes, rank=2), seed=3, error_feedback=ef)
+        true_sum, sent_sum, residuals = torch.zeros(32, 24), torch.zeros(32, 24), []
+        for t in range(200):
+            g = base + 0.3 * torch.randn(32, 24, generator=torch.Generator().manual_seed(100 + t))
+            true_sum += g
+            sent_sum += one_peer_round(acp, [g], t)[0]
+            residuals.append(acp.errors[0].norm().item())
+        gaps[ef] = (true_sum - sent_sum).norm().item() / true_sum.norm().item()
+        if ef:
+            assert torch.allclose(sent_sum + acp.errors[0], true_sum, rtol=1e-4, atol=1e-2)
+            assert max(residuals[100:]) < 1.1 * max(residuals[:100]), "the residual keeps growing"
+    assert gaps[True] < 0.1 and gaps[False] > 0.5, gaps
+
+
+def test_a_failed_round_commits_nothing_and_a_round_without_samples_keeps_the_residual():
+    m = torch.randn(20, 16, generator=torch.Generator().manual_seed(4))
+    acp = AcpState(Layout.of([m.shape], rank=2), seed=5)
+    one_peer_round(acp, [m], 0)
+    before = [t.clone() for t in (*acp.p, *acp.q, *acp.errors)]
+    acp.compress([3 * m], 1)  # the round failed: never committed
+    assert all(torch.equal(a, b) for a, b in zip(before, (*acp.p, *acp.q, *acp.errors), strict=True))
+
+    rnd = acp.compress([torch.zeros_like(m)], 1)
+    acp.commit(rnd, rnd.factors, had_samples=False)  # our weight was 0: our factors did not count
+    assert torch.equal(acp.errors[0], before[-1])
+    assert not torch.equal(acp.q[0], before[1]), "the round's factors are the stage's, samples or not"
+
+
+def test_peers_averaging_factors_average_their_approximations():
+    """The all-reduce stays additive: every peer multiplies by the same query, so the mean of the factors decodes to
+    the (weighted) mean of the peers' approximations."""
+    grads = [torch.randn(30, 20, generator=torch.Generator().manual_seed(s)) for s in (6, 7)]
+    peers = [AcpState(Layout.of([g.shape], rank=3), seed=8) for g in grads]
+    for epoch in (0, 1):
+        rounds = [acp.compress([g], epoch) for acp, g in zip(peers, grads, strict=True)]
+        mean = [(1 * rounds[0].factors[0] + 3 * rounds[1].factors[0]) / 4]
+        decoded = [acp.decompress(rnd, mean, [g.shape]) for acp, rnd, g in zip(peers, rounds, grads, strict=True)]
+        own = [acp.decompress(rnd, rnd.factors, [g.shape])[0] for acp, rnd, g in zip(peers, rounds, grads, strict=True)]
+        assert torch.equal(decoded[0][0], decoded[1][0])
+        assert torch.allclose(decoded[0][0], (1 * own[0] + 3 * own[1]) / 4, atol=1e-5)
+        for acp, rnd in zip(peers, rounds, strict=True):
+            acp.commit(rnd, mean, had_samples=True)
+    assert all(torch.equal(a, b) for a, b in zip(peers[0].shared_tensors(), peers[1].shared_tensors(), strict=True))
+
+
+def test_downloaded_factors_are_checked_before_anything_changes():
+    shapes = [torch.Size((16, 12)), torch.Size((12,))]
+    acp = AcpState(Layout.of(shapes, rank=2), seed=9)
+    good = acp.shared_tensors()
+    before = [t.clone() for t in good]
+    garbage = {
+        "too few": good[:1],
+        "too many": [*good, good[0]],
+        "wrong shape": [torch.zeros(16, 3), good[1]],
+        "nan": [torch.full_like(good[0], float("nan")), good[1]],
+        "inf": [good[0], torch.full_like(good[1], float("inf"))],
+        "integers": [torch.zeros(16, 2, dtype=torch.int64), good[1]],
+    }
+    for name, tensors in garbage.items():
+        with pytest.raises(ValueError):
+            acp.load_shared(tensors)
+        assert all(torch.equal(a, b) for a, b in zip(acp.shared_tensors(), before, strict=True)), name
+    acp.errors[0] += 1.0
+    acp.load_shared([2 * t for t in good])
+    assert torch.equal(acp.p[0], 2 * good[0]) and acp.errors[0].abs().max() == 0, "a joiner's residual starts at 0"

@@ -1,0 +1,93 @@
+"""ACP-SGD on the real stage averager: two in-process peers of one stage (real DHT, real hivemind averagers) average
+low-rank factors for real, end each round holding the same values, and a joiner's download carries the factors."""
+
+import asyncio
+
+import pytest
+import torch
+
+from server.collab.lowrank import AcpState
+from tests.peers import stage_servers, start_server, wait_for_async
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def gradients(shapes: list[torch.Size], basis: dict[int, torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Random gradients whose matrices share their column space with the other peer's (`basis`): two ACP rounds then
+    send them whole."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, shape in enumerate(shapes):
+        if i in basis:
+            u = basis[i]
+            out.append((u @ torch.randn(u.shape[1], shape[1:].numel(), generator=gen)).reshape(shape))
+        else:
+            out.append(torch.randn(shape, generator=gen))
+    return out
+
+
+async def test_two_stage_peers_average_acp_factors_for_real():
+    async with stage_servers() as (peers, servers):
+        for _ in range(2):
+            servers.append(
+                await start_server(peers, allreduce_codec="acp", allreduce_rank=2, allreduce_warmup_epochs=0)
+            )
+        a, b = servers
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+            30,
+            "the two peers to find each other",
+        )
+        acp: AcpState = a.collab.averaging.gradients.acp
+        shapes = [p.shape for p in a.worker.params]
+        gen = torch.Generator().manual_seed(0)
+        basis = {
+            i: torch.randn(n, 2, generator=gen)
+            for i, (n, _, _) in zip(acp.layout.matrices, acp.layout.dims, strict=False)
+        }
+        grads = [gradients(shapes, basis, seed) for seed in (1, 2)]
+        mean = [(1 * ga + 3 * gb) / 4 for ga, gb in zip(*grads, strict=True)]  # weights: 1 and 3 samples
+
+        async def both(epoch: int) -> list[list[torch.Tensor]]:
+            return await asyncio.gather(
+                *(
+                    asyncio.to_thread(s.collab.averaging.gradients.average, g, n, f"test epoch {epoch}", epoch)
+                    for s, g, n in zip(servers, grads, (1, 3), strict=True)
+                )
+            )
+
+        sent = []
+        for epoch in (0, 1):  # a P round, then a Q round
+            results = await both(epoch)
+            assert all(r is not None for r in results), "the round failed"
+            for x, y in zip(*results, strict=True):
+                assert torch.equal(x, y), "the peers hold different averages"
+            sent.append(results[0])
+        for i in acp.layout.whole:
+            for r in sent:
+                assert (r[i] - mean[i]).norm() / mean[i].norm() < 3e-2, f"tensor {i}: not the weighted mean"
+        for i in acp.layout.matrices:
+            first = (sent[0][i] - mean[i]).norm() / mean[i].norm()
+            assert first > 0.05, f"tensor {i}: the P round sent it whole: nothing was compressed"
+            both_rounds = (sent[0][i] + sent[1][i] - 2 * mean[i]).norm() / (2 * mean[i].norm())
+            assert both_rounds < 5e-2, f"tensor {i}: two rounds with error feedback did not send it ({both_rounds})"
+        full = sum(g.numel() for g in grads[0])
+        assert a.collab.averaging.gradients.bytes < 2 * 2 * full, "sent more than two whole 8-bit rounds"
+        shared = [s.collab.averaging.gradients.acp.shared_tensors() for s in servers]
+        assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"
+
+        # a joiner's download: the worker's state and the factors, checked before anything changes
+        meta, tensors, _ = a.collab.averaging.state.get_current_state()
+        worker_tensors, factors = b.collab.averaging.state.split_state(meta, tensors)
+        assert len(factors) == len(shared[0]) and len(worker_tensors) == len(tensors) - len(factors)
+        bad_factor = [*tensors[:-1], torch.full_like(tensors[-1], float("nan"))]
+        for bad_meta, bad_tensors in [
+            ({**meta, "lowrank": -1}, tensors),
+            ({**meta, "lowrank": "2"}, tensors),
+            ({**meta, "lowrank": len(tensors) + 1}, tensors),
+            ({**meta, "lowrank": 0}, tensors),
+            ({**meta, "lowrank": len(factors) - 1}, tensors),
+            (meta, bad_factor),
+        ]:
+            with pytest.raises(ValueError):
+                b.collab.averaging.state.split_state(bad_meta, bad_tensors)
