@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from server.collab.lowrank import AcpState
 from server.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -23,17 +24,19 @@ def state_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage{stage}.state.pt"
 
 
-def save_checkpoint(worker: StageWorker, directory: str | Path) -> Path:
-    """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock."""
+def save_checkpoint(worker: StageWorker, directory: str | Path, acp: AcpState | None = None) -> Path:
+    """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock;
+    with ACP averaging, also its factors and this peer's residual."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     meta, tensors = worker.state_tensors()
+    lowrank = acp.checkpoint() if acp is not None else None
     epoch = meta["epoch"]
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     weights = {name: t.contiguous() for name, t in zip(names, tensors, strict=False)}
     stage = worker.stage.index
     for path, write in (
         (weights_path(directory, stage), lambda f: save_file(weights, f, metadata={"epoch": str(epoch)})),
-        (state_path(directory, stage), lambda f: torch.save({"meta": meta, "tensors": tensors}, f)),
+        (state_path(directory, stage), lambda f: torch.save({"meta": meta, "tensors": tensors, "lowrank": lowrank}, f)),
     ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         write(str(tmp))
@@ -42,8 +45,9 @@ def save_checkpoint(worker: StageWorker, directory: str | Path) -> Path:
     return weights_path(directory, stage)
 
 
-def load_checkpoint(worker: StageWorker, directory: str | Path) -> int | None:
-    """Loads weights, optimizer state and epoch if a checkpoint of this stage exists; returns its epoch."""
+def load_checkpoint(worker: StageWorker, directory: str | Path, acp: AcpState | None = None) -> int | None:
+    """Loads weights, optimizer state and epoch if a checkpoint of this stage exists; returns its epoch. With ACP
+    averaging, also its factors and residual where the checkpoint has them (else they start over)."""
     stage = worker.stage.index
     if not state_path(directory, stage).exists():
         return None
@@ -52,5 +56,10 @@ def load_checkpoint(worker: StageWorker, directory: str | Path) -> int | None:
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     tensors = [weights[name] for name in names] + saved["tensors"][len(names) :]
     worker.load_state(saved["meta"], tensors)
+    if acp is not None:
+        try:
+            acp.restore(saved.get("lowrank"))
+        except (ValueError, AttributeError, TypeError) as e:
+            logger.warning("stage %d: the low-rank factors start over: %s", stage, e)
     logger.info("stage %d: resumed from checkpoint at epoch %d", stage, saved["meta"]["epoch"])
     return int(saved["meta"]["epoch"])

@@ -3,6 +3,8 @@ flags keep their plain names: `--lr`, not `--optimizer-lr`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from swarm.compression import CODECS
@@ -186,6 +188,14 @@ class AveragingConfig:
     allreduce_query_reuse: bool = field(
         default=True, metadata={"help": "acp: multiply by the last round's other factor (else a fresh random one)"}
     )
+    allreduce_compress_stages: str = field(
+        default="all",
+        metadata={
+            "help": "acp: the stages that average low-rank: 'all', stage indices ('0,1') or a fraction of the stages "
+            "counted from stage 0 ('0.5'); the others average whole, 8-bit. Optimus-CC's selective compression: the "
+            "earliest stages finish backward last, so their all-reduce is the one on the critical path"
+        },
+    )
     param_average_every: int = field(
         default=0,
         metadata={
@@ -198,11 +208,39 @@ class AveragingConfig:
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
 
     def __post_init__(self) -> None:
+        self.compressed_stages(1)  # validates --allreduce-compress-stages
         if self.allreduce_rank < 1 or self.allreduce_warmup_epochs < 0:
             raise ValueError(
                 f"--allreduce-rank must be >= 1 and --allreduce-warmup-epochs >= 0, got {self.allreduce_rank} and "
                 f"{self.allreduce_warmup_epochs}"
             )
+
+    def compressed_stages(self, n_stages: int) -> set[int]:
+        """The stages --allreduce-compress-stages names, of a model of `n_stages`."""
+        spec = self.allreduce_compress_stages.strip()
+        try:
+            if spec == "all":
+                return set(range(n_stages))
+            if "." in spec:
+                fraction = float(spec)
+                if not 0.0 <= fraction <= 1.0:
+                    raise ValueError
+                return set(range(math.ceil(fraction * n_stages - 1e-9)))
+            stages = {int(s) for s in spec.split(",")}
+            if min(stages) < 0:
+                raise ValueError
+            return stages
+        except ValueError:
+            raise ValueError(
+                f"--allreduce-compress-stages must be 'all', stage indices like '0,1' or a fraction like '0.5', got "
+                f"{self.allreduce_compress_stages!r}"
+            ) from None
+
+    def for_stage(self, stage: int, n_stages: int) -> AveragingConfig:
+        """The settings stage `stage` averages with: a stage left out of --allreduce-compress-stages averages whole."""
+        if self.allreduce_codec in LOW_RANK_CODECS and stage not in self.compressed_stages(n_stages):
+            return dataclasses.replace(self, allreduce_codec="blockwise8")
+        return self
 
     @property
     def scheme(self) -> str:

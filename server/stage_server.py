@@ -166,7 +166,7 @@ class StageServer:
         self.take_snapshot()  # a move keeps announcing its pending record meanwhile (`announce_forever`)
         joined = await collab.join()
         if not joined and cfg.checkpoint.checkpoint_dir:
-            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir)
+            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir, collab.acp)
         if self._endpoint is None:
             service = StageService(worker, self.active.schema, collab, cfg.guard)
             server, health_servicer, port = await start_stage_server(
@@ -264,7 +264,7 @@ class StageServer:
     async def checkpoint_forever(self, stop: asyncio.Event, directory: str) -> None:
         while not await sleep_unless(stop, self.cfg.checkpoint.checkpoint_period):
             if self.serving:
-                await asyncio.to_thread(save_checkpoint, self.worker, directory)
+                await asyncio.to_thread(save_checkpoint, self.worker, directory, self.collab.acp)
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -303,6 +303,6 @@ class StageServer:
         if (
             cfg.checkpoint.checkpoint_dir and was_serving
         ):  # not a stage we were still joining: its checkpoint would be wrong
-            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir)
+            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir, self.collab.acp)
         await self.collab.stop()
         self.worker.shutdown()

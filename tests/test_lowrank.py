@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from server.collab.lowrank import PHASE_P, PHASE_Q, AcpState, Layout
+from server.config import AveragingConfig
 
 
 def low_rank(n: int, m: int, r: int, seed: int) -> torch.Tensor:
@@ -15,7 +16,7 @@ def low_rank(n: int, m: int, r: int, seed: int) -> torch.Tensor:
 def one_peer_round(acp: AcpState, grads: list[torch.Tensor], epoch: int) -> list[torch.Tensor]:
     """A round of one peer: the all-reduce hands back its own factors."""
     rnd = acp.compress(grads, epoch)
-    out = acp.decompress(rnd, rnd.factors, [grads[i].shape for i in acp.layout.matrices])
+    out = acp.decompress(rnd, rnd.factors, [g.shape for g in grads])
     acp.commit(rnd, rnd.factors, had_samples=True)
     return out
 
@@ -120,3 +121,48 @@ def test_downloaded_factors_are_checked_before_anything_changes():
     acp.errors[0] += 1.0
     acp.load_shared([2 * t for t in good])
     assert torch.equal(acp.p[0], 2 * good[0]) and acp.errors[0].abs().max() == 0, "a joiner's residual starts at 0"
+
+
+def test_selective_compression_names_the_earliest_stages():
+    acp = dict(allreduce_codec="acp")
+    assert AveragingConfig(**acp).compressed_stages(3) == {0, 1, 2}
+    assert AveragingConfig(**acp, allreduce_compress_stages="0,1").compressed_stages(4) == {0, 1}
+    assert AveragingConfig(**acp, allreduce_compress_stages="0.5").compressed_stages(3) == {0, 1}
+    assert AveragingConfig(**acp, allreduce_compress_stages="0.0").compressed_stages(3) == set()
+    left_out = AveragingConfig(**acp, allreduce_compress_stages="0")
+    assert left_out.for_stage(1, 3).allreduce_codec == "blockwise8" and left_out.for_stage(0, 3) is left_out
+    assert AveragingConfig(allreduce_compress_stages="0").for_stage(1, 3).allreduce_codec == "blockwise8"
+    for bad in ("", "first", "1.5", "-1", "0,x", "-0.5"):
+        with pytest.raises(ValueError, match="--allreduce-compress-stages"):
+            AveragingConfig(**acp, allreduce_compress_stages=bad)
+
+
+def test_a_checkpoint_keeps_the_factors_and_the_residual(tmp_path):
+    from server.checkpoint import load_checkpoint, save_checkpoint
+    from server.config import ComputeConfig, OptimizerConfig
+    from server.worker import StageWorker
+    from swarm.model import Stage
+    from tests.peers import MODEL
+
+    def worker() -> StageWorker:
+        return StageWorker(Stage(MODEL, 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+
+    w = worker()
+    acp = AcpState(Layout.of([p.shape for p in w.params], rank=2), seed=1)
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(w.params)]
+    one_peer_round(acp, grads, 0)
+    save_checkpoint(w, tmp_path, acp)
+
+    fresh = AcpState(acp.layout, seed=1)
+    assert load_checkpoint(worker(), tmp_path, fresh) == 0
+    saved, restored = acp.checkpoint(), fresh.checkpoint()
+    for key in ("shared", "errors"):
+        assert all(torch.equal(a, b) for a, b in zip(saved[key], restored[key], strict=True)), key
+
+    other = AcpState(Layout.of([p.shape for p in w.params], rank=3), seed=1)  # another rank: starts over
+    before = other.checkpoint()
+    assert load_checkpoint(worker(), tmp_path, other) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before["shared"], other.checkpoint()["shared"], strict=True))
+    for garbage in (None, [], {"errors": "x"}, {"errors": [torch.full((2, 2), float("nan"))]}):
+        with pytest.raises(ValueError):
+            fresh.restore(garbage)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from server.collab.lowrank import AcpState
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy
 from swarm.protocol import wire_pb2 as pb
@@ -25,6 +26,11 @@ class Collaboration(Protocol):
     @property
     def allreduce_fp32_bytes(self) -> int:
         """What the same rounds would have cost with whole fp32 tensors."""
+        ...
+
+    @property
+    def acp(self) -> AcpState | None:
+        """The stage's ACP-SGD state, if it averages low-rank."""
         ...
 
     async def launch(self) -> None: ...
@@ -69,6 +75,7 @@ class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
     allreduce_bytes = allreduce_fp32_bytes = 0
+    acp = None
 
     def __init__(self, worker: StageWorker, target: int):
         self.worker, self.target = worker, target

@@ -35,6 +35,7 @@ from dht.node import SwarmDHT
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import build_averaging
 from server.collab.hivemind_compat import check_version
+from server.collab.lowrank import AcpState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
@@ -78,6 +79,7 @@ class StageCollaboration:
         network: NetworkConfig,
     ):
         self.worker, self.sdht, self.stage = worker, sdht, stage
+        averaging = averaging.for_stage(stage, worker.stage.cfg.n_stages)
         self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
         self.policy = CompressionPolicy(allreduce_gradients=averaging.wire_codec)
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
@@ -117,6 +119,10 @@ class StageCollaboration:
     @property
     def allreduce_fp32_bytes(self) -> int:
         return self.averaging.fp32_bytes
+
+    @property
+    def acp(self) -> AcpState | None:
+        return self.averaging.state.acp
 
     @property
     def busy(self) -> bool:

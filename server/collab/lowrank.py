@@ -154,6 +154,23 @@ class AcpState:
             self.q = [t.float().clone() for t in tensors[k:]]
             self.errors = [torch.zeros(n, m) for n, m, _ in self.layout.dims]
 
+    def checkpoint(self) -> dict[str, list[torch.Tensor]]:
+        """Any thread: the factors and this peer's residual, for a checkpoint."""
+        with self._lock:
+            return {"shared": [t.clone() for t in (*self.p, *self.q)], "errors": [e.clone() for e in self.errors]}
+
+    def restore(self, saved: dict) -> None:
+        """Inverse of `checkpoint`; raises ValueError (changing nothing) if it does not fit this layout."""
+        errors = saved.get("errors") if isinstance(saved, dict) else None
+        shapes = [(n, m) for n, m, _ in self.layout.dims]
+        if not isinstance(errors, list) or [tuple(e.shape) for e in errors] != shapes:
+            raise ValueError("the checkpoint's error-feedback buffers do not match this stage's")
+        if not all(e.is_floating_point() and bool(torch.isfinite(e).all()) for e in errors):
+            raise ValueError("the checkpoint's error-feedback buffers are not finite floats")
+        self.load_shared(saved.get("shared", []))
+        with self._lock:
+            self.errors = [e.float().clone() for e in errors]
+
 
 @dataclass
 class Round:

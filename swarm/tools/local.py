@@ -82,6 +82,9 @@ class LocalConfig:
     allreduce_query_reuse: bool = field(
         default=AveragingConfig.allreduce_query_reuse, metadata={"help": "acp: reuse the last round's factors"}
     )
+    allreduce_compress_stages: str = field(
+        default=AveragingConfig.allreduce_compress_stages, metadata={"help": "acp: the stages that average low-rank"}
+    )
     delay_optimizer_step: bool = field(
         default=EpochConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
