@@ -180,7 +180,7 @@ class AveragingConfig:
     )
     allreduce_rank: int = field(default=4, metadata={"help": "acp: rank of the low-rank factors"})
     allreduce_warmup_epochs: int = field(
-        default=10, metadata={"help": "acp: epochs averaged whole (blockwise8) before the low-rank rounds begin"}
+        default=10, metadata={"help": "acp: epochs averaged whole (fp16) before the low-rank rounds begin"}
     )
     allreduce_error_feedback: bool = field(
         default=True, metadata={"help": "acp: add what the factors missed to the next epoch's gradients"}

@@ -181,7 +181,7 @@ class StageService:
             allreduce_fp32_bytes=self.collab.allreduce_fp32_bytes,
             backwards_at_stashed_version=w.backwards_at_stashed_version,
             backwards_past_stash=w.backwards_past_stash,
-            compression=self.collab.policy.describe(),
+            compression=self.collab.compression,
             gradients_rejected=w.guard.rejected,
             steps_skipped=w.steps_skipped,
             steps_rolled_back=w.steps_rolled_back,

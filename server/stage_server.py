@@ -181,7 +181,8 @@ class StageServer:
         await self.announce()
         n_params = sum(p.numel() for p in worker.params)
         logger.info(
-            "stage %d/%d on %s: %.2fM parameters, epoch %d (%s), %.1f samples/s capacity, serving at %s",
+            "stage %d/%d on %s: %.2fM parameters, epoch %d (%s), %.1f samples/s capacity, serving at %s; "
+            "compression: %s",
             stage,
             self.model_cfg.n_stages,
             worker.device,
@@ -190,6 +191,7 @@ class StageServer:
             "joined peers" if joined else "own start",
             worker.throughput,
             self.record().address,
+            collab.compression,
         )
 
     async def leave(self, reason: str) -> None:

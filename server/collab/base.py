@@ -33,6 +33,11 @@ class Collaboration(Protocol):
         """The stage's ACP-SGD state, if it averages low-rank."""
         ...
 
+    @property
+    def compression(self) -> str:
+        """The stage's compression policy, in words."""
+        ...
+
     async def launch(self) -> None: ...
 
     async def join(self) -> bool:
@@ -76,6 +81,10 @@ class LocalSteps:
 
     allreduce_bytes = allreduce_fp32_bytes = 0
     acp = None
+
+    @property
+    def compression(self) -> str:
+        return self.policy.describe()
 
     def __init__(self, worker: StageWorker, target: int):
         self.worker, self.target = worker, target

@@ -125,6 +125,14 @@ class StageCollaboration:
         return self.averaging.state.acp
 
     @property
+    def compression(self) -> str:
+        described = self.policy.describe()
+        if self.acp is None:
+            return described
+        cfg = self.averaging_cfg
+        return f"{described} (as {cfg.scheme} factors after {cfg.allreduce_warmup_epochs} whole epochs)"
+
+    @property
     def busy(self) -> bool:
         return self.phase in (Phase.ENDING, Phase.RECOVERING)
 
