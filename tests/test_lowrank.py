@@ -166,3 +166,18 @@ def test_a_checkpoint_keeps_the_factors_and_the_residual(tmp_path):
     for garbage in (None, [], {"errors": "x"}, {"errors": [torch.full((2, 2), float("nan"))]}):
         with pytest.raises(ValueError):
             fresh.restore(garbage)
+
+
+def test_the_residual_keeps_its_mass_when_the_peers_share_of_the_batch_changes():
+    """A peer's weight (its samples in the epoch) changes between epochs: the residual is a sum over samples, so the
+    samples-weighted sum of what it sent plus the residual is the samples-weighted sum of its gradients."""
+    gen = torch.Generator().manual_seed(10)
+    acp = AcpState(Layout.of([torch.Size((24, 20))], rank=2), seed=11)
+    true_sum, sent_sum = torch.zeros(24, 20), torch.zeros(24, 20)
+    for epoch, weight in enumerate([8, 24, 16, 4, 28, 12]):
+        g = torch.randn(24, 20, generator=gen)
+        rnd = acp.compress([g], epoch, float(weight))
+        sent_sum += weight * acp.decompress(rnd, rnd.factors, [g.shape])[0]
+        acp.commit(rnd, rnd.factors, had_samples=True)
+        true_sum += weight * g
+    assert torch.allclose(sent_sum + acp.errors[0], true_sum, rtol=1e-4, atol=1e-3)

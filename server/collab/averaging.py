@@ -200,7 +200,7 @@ class LowRankGradientAveraging(GradientAveraging):
         if round_tag < self.cfg.allreduce_warmup_epochs:
             return super().average(grads, n_samples, label, round_tag, finished_without_us, retry_grace)
         layout, shapes = self.acp.layout, [g.shape for g in grads]
-        rnd = self.acp.compress(grads, round_tag)
+        rnd = self.acp.compress(grads, round_tag, float(n_samples))
         factors = self.averager.factors[rnd.phase]
 
         def fill(buffers: list[torch.Tensor]) -> None:

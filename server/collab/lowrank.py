@@ -96,21 +96,26 @@ class AcpState:
                                                                                             else PHASE_P)]  # fmt: skip
         return [orthogonalize(x) for x in previous]
 
-    def compress(self, grads: list[torch.Tensor], epoch: int) -> Round:
-        """This peer's factors for the round of `epoch` (P at even epochs, Q at odd ones); changes no state."""
+    def compress(self, grads: list[torch.Tensor], epoch: int, weight: float = 1.0) -> Round:
+        """This peer's factors for the round of `epoch` (P at even epochs, Q at odd ones), for mean gradients over
+        `weight` samples (the peer's weight in the round); changes no state.
+
+        The residual is kept as a sum over samples (weight x what the factors missed), so that it re-enters the
+        stage's average with the mass it left out, whatever this peer's share of the next global batch: the samples
+        a peer contributes to consecutive epochs differ (8, then 24, of 32)."""
         phase = PHASE_P if epoch % 2 == 0 else PHASE_Q
         queries = self._query(phase, epoch)
         factors, errors = [], []
         for k, i in enumerate(self.layout.matrices):
             n, m, _ = self.layout.dims[k]
             target = grads[i].detach().reshape(n, m).float().cpu()
-            if self.error_feedback:
-                target = target + self.errors[k]
+            if self.error_feedback and weight > 0:
+                target = target + self.errors[k] / weight
             query = queries[k]
             factor = target @ query if phase == PHASE_P else target.T @ query
             local = factor @ query.T if phase == PHASE_P else query @ factor.T
             factors.append(factor)
-            errors.append(target - local)
+            errors.append((target - local) * weight)
         return Round(phase, queries, factors, errors)
 
     def decompress(self, rnd: Round, averaged: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
