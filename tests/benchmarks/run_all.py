@@ -11,6 +11,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_routing | shares of microbatches of servers slowed 1x/2x/4x against their capacities; stage throughput |
 | bench_wan | relative throughput behind shaping proxies (wan_proxy.py): bandwidth x RTT x codec |
 | bench_quality | held-out loss of swarm-local configurations against one process trained on the same samples |
+| bench_lowrank | ACP-SGD in one process: held-out loss over rank and ablations against whole gradients; bytes per round |
 
 Each prints its tables on stdout, progress on stderr, and writes `<out>/<name>.json` (hardware included); bench_wan
 also writes a PNG. Run them on an otherwise idle machine: wall-clock ratios are interleaved but not immune to load.
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = ("wire", "transport", "pipeline", "routing", "wan", "quality")
+BENCHMARKS = ("wire", "transport", "pipeline", "routing", "wan", "quality", "lowrank")
 WITH_DEVICE = ("wire", "pipeline")
 
 
