@@ -43,8 +43,8 @@ def butterfly_bytes(codec: Codec, numel: int, dtype: torch.dtype, group: int) ->
 class StageAverager(StrictAverager):
     """Averages a stage's gradients; serves the stage's parameters, optimizer state and epoch to peers that join.
 
-    Every round gathers (epoch, phase) from each peer of its group, and runs only if they all agree: a group that
-    met across epochs fails before sending anything. The phase says what is averaged: the gradients whole, or with
+    Every round gathers (epoch, phase, scheme) from each peer of its group, and runs only if they all agree: a group
+    that met across epochs, or across averaging settings, fails before sending anything. The phase says what is averaged: the gradients whole, or with
     ACP-SGD (`acp`) the P or Q factors of the low-rank tensors and the rest whole."""
 
     def __init__(self, worker: StageWorker, acp: AcpState | None = None, **kwargs):
@@ -75,7 +75,8 @@ class StageAverager(StrictAverager):
         return worker_tensors, factors
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The averager's process: a (epoch, phase) round averages the whole gradients or the phase's factors."""
+        """The averager's process: an (epoch, phase, scheme) round averages the whole gradients or the phase's
+        factors."""
         phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
         if phase == PHASE_FULL:
             return local
