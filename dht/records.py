@@ -26,9 +26,9 @@ def stage_key(swarm_name: str, stage: int) -> str:
 class ServerRecord:
     """A peer (named by the key that signed this record: dht/identity.py) serves `stage` at host:port. Its load, for
     trainers and the rebalancer (swarm/rebalance.py): measured `throughput` (samples/s it can sustain), `queue_length`
-    (requests waiting), `demand` (samples/s it was sent over the last announce period). `joined_at`: DHT time it took this stage (by starting or moving), which its
-    cooldown counts from. `ready`: False while it downloads the stage's state; it serves nothing yet, but its capacity
-    is already committed here."""
+    (requests waiting), `demand` (samples/s it was sent over the last announce period). `joined_at`: DHT time it
+    took this stage (by starting or moving), which its cooldown counts from. `ready`: False while it downloads the
+    stage's state; it serves nothing yet, but its capacity is already committed here."""
 
     host: str
     port: int

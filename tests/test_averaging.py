@@ -7,6 +7,9 @@ import threading
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.node import start_dht
@@ -88,3 +91,35 @@ def test_stage_averager_hands_every_peer_the_same_average(codec):
             assert torch.equal(peer[k], results[0][k]), "peers hold different averages"
             err = ((peer[k] - expected).norm() / expected.norm()).item()
             assert err < (1e-6 if codec == "none" else 3e-2), err
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        [7, "full", "blockwise8"],  # another epoch's round
+        [6, "q", "acp-rank4-reuse1"],  # another phase of it
+        [6, "p", "acp-rank8-reuse1"],  # factors of another rank: they would not add up
+        None,  # no round data at all
+        "garbage",  # gathered bytes that are not msgpack
+        "short",  # a peer entry without its gathered data
+    ],
+)
+async def test_a_group_that_gathered_other_rounds_is_refused_before_anything_is_sent(theirs):
+    """The averager's process reads what every groupmate gathered and refuses the group unless all gathered exactly
+    ours: it never reaches the tensors (this averager has none) or the network (it has no p2p)."""
+    averager = StrictAverager.__new__(StrictAverager)  # nothing started: a refusal must not need it
+    averager._parent_pid = -1  # hivemind's __del__ then leaves the never-started process alone
+    dumps = DecentralizedAverager.serializer.dumps
+    ours = [6, "p", "acp-rank4-reuse1"]
+    entries = {
+        "garbage": b"\xc1\xc1 not msgpack",
+        "short": dumps([1.0, 0]),
+    }
+    theirs_entry = entries.get(theirs) if isinstance(theirs, str) else dumps([1.0, 0, dumps(theirs)])
+    group = GroupInfo(
+        group_id=b"g",
+        peer_ids=(PeerID(b"a" * 34), PeerID(b"b" * 34)),
+        gathered=(dumps([1.0, 0, dumps(ours)]), theirs_entry),
+    )
+    with pytest.raises(MatchmakingException, match="rounds|malformed"):
+        await averager._aggregate_with_group(group, min_vector_size=0)

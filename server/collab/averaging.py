@@ -44,8 +44,9 @@ class StageAverager(StrictAverager):
     """Averages a stage's gradients; serves the stage's parameters, optimizer state and epoch to peers that join.
 
     Every round gathers (epoch, phase, scheme) from each peer of its group, and runs only if they all agree: a group
-    that met across epochs, or across averaging settings, fails before sending anything. The phase says what is averaged: the gradients whole, or with
-    ACP-SGD (`acp`) the P or Q factors of the low-rank tensors and the rest whole."""
+    that met across epochs, or across averaging settings, fails before sending anything. The phase says what is
+    averaged: the gradients whole, or with ACP-SGD (`acp`) the P or Q factors of the low-rank tensors and the rest
+    whole."""
 
     def __init__(self, worker: StageWorker, acp: AcpState | None = None, **kwargs):
         self._worker, self.acp = worker, acp  # before super().__init__: the state thread may ask at once
@@ -91,7 +92,6 @@ class GradientAveraging:
 
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
-        self.scheme = cfg.scheme  # travels with every round: peers whose parts would not add up never average
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
         self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
 
@@ -115,8 +115,8 @@ class GradientAveraging:
                 buf.copy_(g)
 
         numel = sum(g.numel() for g in grads)
-        if not self._run(fill, n_samples, label, [round_tag, PHASE_FULL, self.scheme], (numel, numel), finished_without_us,
-                         retry_grace):  # fmt: skip
+        gather = [round_tag, PHASE_FULL, self.cfg.scheme]
+        if not self._run(fill, n_samples, label, gather, (numel, numel), finished_without_us, retry_grace):
             return None
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
@@ -133,6 +133,7 @@ class GradientAveraging:
         retry_grace: float,
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
+        `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
         `numel`: (values sent, values of the whole gradients), for the byte counts."""
         started = time.monotonic()
         result = None
@@ -211,9 +212,8 @@ class LowRankGradientAveraging(GradientAveraging):
                 buffers[i].copy_(grads[i])
 
         numel = (layout.sent_numel(rnd.phase, shapes), sum(g.numel() for g in grads))
-        if not self._run(
-            fill, n_samples, label, [round_tag, rnd.phase, self.scheme], numel, finished_without_us, retry_grace
-        ):
+        gather = [round_tag, rnd.phase, self.cfg.scheme]
+        if not self._run(fill, n_samples, label, gather, numel, finished_without_us, retry_grace):
             return None
         with self.averager.get_tensors() as buffers:
             averaged_factors = [f.clone() for f in factors]

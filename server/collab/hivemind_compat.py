@@ -135,9 +135,10 @@ class StrictAverager(DecentralizedAverager):
             for bw, mode in zip(bandwidths, mode_ids, strict=False)
         ]
         try:
-            async with enter_asynchronously(self.get_tensors()) as local:
-                tensors = self.round_tensors(gathered[self.peer_id], list(local))
-                if len(tensors) != len(local) or any(t is not u for t, u in zip(tensors, local, strict=False)):
+            async with enter_asynchronously(self.get_tensors()) as averaged:
+                local = list(averaged)
+                tensors = self.round_tensors(gathered[self.peer_id], local)
+                if tensors is not local:
                     kwargs.pop("tensor_infos", None)  # those describe the averaged tensors
                 fractions = await asyncio.get_event_loop().run_in_executor(
                     None, load_balance_peers, sum(t.numel() for t in tensors), download_bandwidths, min_vector_size

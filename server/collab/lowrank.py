@@ -66,11 +66,8 @@ class Layout:
         return [(n, r) if phase == PHASE_P else (m, r) for n, m, r in self.dims]
 
     def sent_numel(self, phase: str, shapes: list[torch.Size]) -> int:
-        """Values one peer hands the all-reduce in a round of `phase`."""
-        whole = sum(math.prod(shapes[i]) for i in self.whole)
-        if phase == PHASE_FULL:
-            return whole + sum(n * m for n, m, _ in self.dims)
-        return whole + sum(a * b for a, b in self.factor_shapes(phase))
+        """Values one peer hands the all-reduce in a low-rank round of `phase`: the factors and the whole tensors."""
+        return sum(math.prod(shapes[i]) for i in self.whole) + sum(a * b for a, b in self.factor_shapes(phase))
 
 
 class AcpState:
@@ -88,12 +85,12 @@ class AcpState:
     def _query(self, phase: str, epoch: int) -> list[torch.Tensor]:
         """The orthonormal factor this round multiplies by: the other factor of the last round (reuse), or a fresh
         random one that every peer draws alike from the seed and the epoch (no reuse)."""
+        other = PHASE_Q if phase == PHASE_P else PHASE_P
         if self.reuse:
-            previous = self.q if phase == PHASE_P else self.p
+            previous = self.q if other == PHASE_Q else self.p
         else:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            previous = [torch.randn(*s, generator=gen) for s in self.layout.factor_shapes(PHASE_Q if phase == PHASE_P
-                                                                                            else PHASE_P)]  # fmt: skip
+            previous = [torch.randn(*shape, generator=gen) for shape in self.layout.factor_shapes(other)]
         return [orthogonalize(x) for x in previous]
 
     def compress(self, grads: list[torch.Tensor], epoch: int, weight: float = 1.0) -> Round:

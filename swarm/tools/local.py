@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.config import (
-    LOW_RANK_CODECS,
     AveragingConfig,
     ComputeConfig,
     EpochConfig,
@@ -45,6 +44,12 @@ PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def averaging_flag(name: str):
+    """A field of AveragingConfig, with its default and metadata, for swarm-local to pass on to its servers."""
+    source = next(f for f in dataclasses.fields(AveragingConfig) if f.name == name)
+    return field(default=source.default, metadata=source.metadata)
 
 
 @dataclass(kw_only=True)
@@ -68,23 +73,13 @@ class LocalConfig:
         default=EpochConfig.samples_per_step, metadata={"help": "global batch of each stage, in samples"}
     )
     lr: float = field(default=OptimizerConfig.lr, metadata={"help": "servers' learning rate"})
-    allreduce_codec: str = field(
-        default=AveragingConfig.allreduce_codec,
-        metadata={"help": "codec of the stages' gradient all-reduce", "choices": [*sorted(CODECS), *LOW_RANK_CODECS]},
-    )
-    allreduce_rank: int = field(default=AveragingConfig.allreduce_rank, metadata={"help": "acp: rank of the factors"})
-    allreduce_warmup_epochs: int = field(
-        default=AveragingConfig.allreduce_warmup_epochs, metadata={"help": "acp: epochs averaged whole first"}
-    )
-    allreduce_error_feedback: bool = field(
-        default=AveragingConfig.allreduce_error_feedback, metadata={"help": "acp: error feedback"}
-    )
-    allreduce_query_reuse: bool = field(
-        default=AveragingConfig.allreduce_query_reuse, metadata={"help": "acp: reuse the last round's factors"}
-    )
-    allreduce_compress_stages: str = field(
-        default=AveragingConfig.allreduce_compress_stages, metadata={"help": "acp: the stages that average low-rank"}
-    )
+    # the servers' stage-averaging flags, as swarm-server has them (default, help, choices)
+    allreduce_codec: str = averaging_flag("allreduce_codec")
+    allreduce_rank: int = averaging_flag("allreduce_rank")
+    allreduce_warmup_epochs: int = averaging_flag("allreduce_warmup_epochs")
+    allreduce_error_feedback: bool = averaging_flag("allreduce_error_feedback")
+    allreduce_query_reuse: bool = averaging_flag("allreduce_query_reuse")
+    allreduce_compress_stages: str = averaging_flag("allreduce_compress_stages")
     delay_optimizer_step: bool = field(
         default=EpochConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
