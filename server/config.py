@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from swarm.compression import CODECS
+from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
 from swarm.rebalance import RebalanceConfig
 
@@ -283,6 +284,7 @@ class ServerConfig:
         default=True, metadata={"help": "move to another stage when it needs this peer's capacity more (--rebalance-*)"}
     )
     rebalancing: RebalanceConfig = field(default_factory=RebalanceConfig, metadata={"prefix": "rebalance_"})
+    metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata={"prefix": "metrics_"})
     migration_drain_s: float = field(
         default=30.0,
         metadata={

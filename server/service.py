@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -22,12 +23,13 @@ from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Collaboration, ProgressRefused
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
-from swarm.compression import CODECS_BY_WIRE
+from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE
+from swarm.compression.policy import role_of
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, read_call
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
-from swarm.protocol.tensors import FP16_MAX, WireError, check_values, decode_tensor, encode_tensor
+from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class StageSchema:
 MAX_READ_S = 120.0  # the longest a request may take to arrive
 DRAIN_S = 5.0  # the longest a refused request is read on
 MAX_STATUS_CHARS = 500  # status details travel in HTTP/2 trailers: a caller's oversized input must not make them fail
+LOSS_WINDOW = 20  # backwards averaged in the last stage's reported (recent) loss
 
 
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -113,11 +116,21 @@ class StageService:
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
         self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
         self.max_read_s = MAX_READ_S
+        self.traffic = WireStats()  # stage calls' tensors received and sent (written on the compute thread)
+        self.losses: deque[float] = deque(maxlen=LOSS_WINDOW)  # last stage: its recent backwards' losses
+        self.moves = 0  # set by the peer when it has moved to another stage
+
+    @property
+    def recent_loss(self) -> float | None:
+        """The mean of the last stage's recent losses; None on other stages or before the first."""
+        losses = list(self.losses)
+        return sum(losses) / len(losses) if losses and self.schema.is_last else None
 
     def attach(self, worker: StageWorker, schema: StageSchema, collab: Collaboration) -> None:
         """Serve another stage (after a move) and accept work again."""
         self.worker, self.schema, self.collab, self.paused = worker, schema, collab, None
         self.budget.limit = self._budget_bytes()
+        self.losses.clear()
 
     def _budget_bytes(self) -> int:
         if self.guard.max_buffered_mb > 0:
@@ -163,7 +176,7 @@ class StageService:
         return ack
 
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
-        w = self.worker
+        w, loss = self.worker, self.recent_loss
         return pb.InfoReply(
             protocol_version=PROTOCOL_VERSION,
             stage=self.schema.stage,
@@ -185,6 +198,13 @@ class StageService:
             gradients_rejected=w.guard.rejected,
             steps_skipped=w.steps_skipped,
             steps_rolled_back=w.steps_rolled_back,
+            recent_loss=float("nan") if loss is None else loss,
+            traffic=[pb.Traffic(role=r, wire_bytes=n, fp32_bytes=f) for r, (n, f) in self.traffic.by_role().items()],
+            rounds_ok=self.collab.rounds_ok,
+            rounds_failed=self.collab.rounds_failed,
+            moves=self.moves,
+            state_downloads=self.collab.state_downloads,
+            transport="grpc",
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
@@ -280,6 +300,8 @@ class StageService:
         _expect("inputs" in call.tensors, "missing tensor 'inputs'")
         inputs = decode_tensor(call.tensors["inputs"], device)
         schema.check_inputs(inputs)
+        for name, enc in call.tensors.items():  # names are the schema's (swarm.protocol.frames checked them)
+            self.traffic.add(role_of(name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
         if not schema.is_first:
             inputs = inputs.float()
         codec = CODECS_BY_WIRE[meta.reply_codec]
@@ -300,12 +322,15 @@ class StageService:
                 result = self.worker.backward(inputs, labels=other, global_batch=global_batch)
                 assert result.loss is not None  # the last stage computes it
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
+                self.losses.append(result.loss)
             else:
                 version = meta.forward_version if meta.HasField("forward_version") else None
                 result = self.worker.backward(
                     inputs, grad_outputs=other.float(), forward_version=version, global_batch=global_batch
                 )
             tensors = [] if result.grad_inputs is None else [encode_tensor("grad_inputs", result.grad_inputs, codec)]
+        for enc in tensors:
+            self.traffic.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
         reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length
         if tag is not None:  # stage 0 admitted this microbatch: its later calls carry where it belongs
             reply_meta.global_batch, reply_meta.admitted_at = tag

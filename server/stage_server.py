@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ from dht.records import ServerRecord
 from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab import Collaboration, LocalSteps, StageCollaboration
 from server.config import ServerConfig
+from server.metrics import fill_server_metrics
 from server.rebalancer import Rebalancer, sleep_unless
 from server.service import StageSchema, StageService
 from server.worker import StageWorker
 from swarm.config import ModelConfig
+from swarm.metrics import serve_metrics
 from swarm.model import Stage
 from swarm.protocol.rpc import SERVICE, start_stage_server
 
@@ -230,6 +233,7 @@ class StageServer:
         await self.leave(f"this peer is moving from stage {src} to stage {dst}")
         await self.enter(dst, throughput)
         self.moves += 1
+        self.service.moves = self.moves
         logger.info(
             "moved from stage %d to stage %d in %.1fs (move %d of this peer)",
             src,
@@ -269,6 +273,15 @@ class StageServer:
                 await asyncio.to_thread(save_checkpoint, self.worker, directory, self.collab.acp)
 
     async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        metrics = serve_metrics(cfg.metrics, functools.partial(fill_server_metrics, self), "server")
+        try:
+            await self._run(stop)
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
         stage = await self.rebalancer.choose_stage() if cfg.stage == "auto" else int(cfg.stage)
         await self.enter(stage)

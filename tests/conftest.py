@@ -2,6 +2,7 @@
 DHT child and p2pd too), so a test can prove that nothing it started is still alive."""
 
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +32,25 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def free_port() -> int:
+    """A port nothing listens on now, on 127.0.0.1 (for a process that must be told its port in advance)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, list]:
+    """The samples of a Prometheus endpoint on 127.0.0.1, parsed by prometheus_client's own parser: family name ->
+    [(sample name, labels, value)]."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from swarm.tools.local import LocalSwarm
-from tests.conftest import processes_with_marker, wait_for
+from tests.conftest import free_port, processes_with_marker, scrape, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +70,33 @@ def longest_stall(swarm: LocalSwarm, seconds: float) -> tuple[float, int]:
     return longest, steps - first
 
 
+def check_scrapes(server: dict, trainer: dict) -> None:
+    """A last-stage server's and a trainer's Prometheus metrics, as parsed, after >= 20 microbatches of 4 samples."""
+
+    def value(metrics: dict, family: str, **labels) -> float:
+        found = [v for name, ls, v in metrics[family] if not name.endswith("_created") and labels.items() <= ls.items()]
+        assert len(found) == 1, (family, labels, metrics.get(family))
+        return found[0]
+
+    assert value(server, "swarm_server_stage") == 2
+    assert value(server, "swarm_server_state", state="serving") == 1
+    assert value(server, "swarm_server_samples") > 0
+    assert value(server, "swarm_server_throughput_samples_per_second") > 0
+    assert 0 < value(server, "swarm_server_loss") < 10
+    assert value(server, "swarm_server_pipeline_bytes", role="activations", form="wire") > 0
+    assert value(server, "swarm_server_pipeline_bytes", role="activations", form="fp32") > value(
+        server, "swarm_server_pipeline_bytes", role="activations", form="wire"
+    )
+    assert value(trainer, "swarm_trainer_microbatches") >= 20
+    assert value(trainer, "swarm_trainer_samples") >= 80
+    assert value(trainer, "swarm_trainer_lost_microbatches") == 0
+    assert 0 < value(trainer, "swarm_trainer_loss") < 10
+    for stage in range(3):
+        assert value(trainer, "swarm_trainer_stage_peers", stage=str(stage)) == 2
+    sent = value(trainer, "swarm_trainer_pipeline_bytes", role="activations", form="wire")
+    assert 3 < value(trainer, "swarm_trainer_pipeline_bytes", role="activations", form="fp32") / sent < 4.5
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_server_and_a_frozen_one_lose_no_microbatch(tmp_path, marker):
     """SIGKILL of one stage-1 server: nothing lost. Then SIGSTOP of one stage-2 server for 20 s (alive, connected,
@@ -78,13 +105,17 @@ def test_a_killed_server_and_a_frozen_one_lose_no_microbatch(tmp_path, marker):
     compute thread waits in the epoch's all-reduce for it (up to --averaging-timeout), and that stall varies from run
     to run (7.8 s to over 30 s measured)."""
     model = ["--preset", "local_debug", "--n-stages", "3", "--d-model", "64", "--max-seq-len", "64"]
+    server_port, trainer_port = free_port(), free_port()
     with LocalSwarm(tmp_path, "killtest", model) as swarm:
         swarm.start_dht()
         for stage in range(3):
             for r in range(2):
-                swarm.start_server(f"server-s{stage}-r{r}", stage, ["--samples-per-step", "16"])
-        swarm.start_trainer("trainer-0", ["--batch-size", "4", "--in-flight", "4", "--min-request-timeout", "5"])
+                metrics = ["--metrics-port", str(server_port)] if (stage, r) == (2, 1) else []
+                swarm.start_server(f"server-s{stage}-r{r}", stage, ["--samples-per-step", "16", *metrics])
+        trainer_flags = ["--batch-size", "4", "--in-flight", "4", "--min-request-timeout", "5"]
+        swarm.start_trainer("trainer-0", [*trainer_flags, "--metrics-port", str(trainer_port)])
         wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= 20, 150, "20 microbatches")
+        check_scrapes(scrape(server_port), scrape(trainer_port))
         victim = swarm.children["server-s1-r0"]
         victim.signal_group(signal.SIGKILL)  # the machine vanishes: server, its DHT child and p2pd at once
         victim.proc.wait(10)

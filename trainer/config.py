@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swarm.compression import CODECS
+from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
 
 
@@ -47,6 +48,7 @@ class TrainerConfig:
             "replies beyond it, or with NaN, is banned like one that fails"
         },
     )
+    metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata={"prefix": "metrics_"})
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.in_flight < 1 or self.max_retries < 1:

@@ -9,6 +9,7 @@ with a message, until discovery finds one. Several microbatches are in flight at
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -25,10 +26,12 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
+from swarm.metrics import serve_metrics
 from swarm.protocol.tensors import WireError, WireStats
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.deadlines import CallDeadlines
+from trainer.metrics import fill_trainer_metrics
 from trainer.routing import StageRouter
 from trainer.schedule import MicrobatchResult, train_microbatch
 
@@ -75,12 +78,14 @@ class Trainer:
         self.losses: list[float] = []
         self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.started = time.monotonic()
+        self.last_snapshot: dict = {}  # `snapshot()`, taken every second: what the metrics thread reads
         self._ids = itertools.count()
         self._loss_log = open(cfg.loss_log, "a") if cfg.loss_log else None  # noqa: SIM115 (closed in run)
 
     async def run(self, stop: asyncio.Event) -> dict:
         """Train until `stop`, `max_steps` or `duration`. Returns the final stats."""
         background = [asyncio.create_task(self._discover_forever()), asyncio.create_task(self._report_forever())]
+        metrics = serve_metrics(self.cfg.metrics, functools.partial(fill_trainer_metrics, self), "trainer")
         try:
             workers = [asyncio.create_task(self._work(stop)) for _ in range(self.cfg.in_flight)]
             stopper = asyncio.create_task(stop.wait())
@@ -96,6 +101,8 @@ class Trainer:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.client.close()
+            if metrics is not None:
+                metrics.close()
             self._write_stats()
             if self._loss_log is not None:
                 self._loss_log.close()
@@ -241,6 +248,7 @@ class Trainer:
         last_log = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
+            self.last_snapshot = self.snapshot()
             self._write_stats()
             if time.monotonic() - last_log >= self.cfg.log_period:
                 last_log = time.monotonic()
@@ -272,6 +280,7 @@ class Trainer:
             "lost_microbatches": self.lost,
             "retries": self.retries,
             "peers_per_stage": [len(r.available) for r in self.routers],
+            "banned_per_stage": [sum(p["banned"] for p in r.snapshot().values()) for r in self.routers],
             "call_deadlines_s": [
                 {m: round(self.deadlines.deadline(s, m), 2) for m in ("Forward", "Backward")}
                 for s in range(self.n_stages)

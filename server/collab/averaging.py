@@ -94,6 +94,7 @@ class GradientAveraging:
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
         self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
+        self.rounds_ok = self.rounds_failed = 0
 
     def average(
         self,
@@ -161,11 +162,14 @@ class GradientAveraging:
                     time.sleep(0.01)
         if result is None:
             logger.warning("%s: all-reduce failed", label)
+            self.rounds_failed += 1
             return False
         tags = sorted({repr(tag) for tag in result.values()})
         if tags != [repr(gather)]:  # also refused in the averager's process, before anything is sent
             logger.warning("%s: the group averaged rounds %s together: treated as a failed round", label, tags)
+            self.rounds_failed += 1
             return False
+        self.rounds_ok += 1
         self.bytes += butterfly_bytes(self.codec, numel[0], torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel[1], torch.float32, len(result))
         logger.info(

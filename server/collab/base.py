@@ -29,6 +29,19 @@ class Collaboration(Protocol):
         ...
 
     @property
+    def rounds_ok(self) -> int:
+        """The stage's all-reduce rounds this peer finished; `rounds_failed`: those that failed."""
+        ...
+
+    @property
+    def rounds_failed(self) -> int: ...
+
+    @property
+    def state_downloads(self) -> int:
+        """Stage states this peer loaded from its peers."""
+        ...
+
+    @property
     def acp(self) -> AcpState | None:
         """The stage's ACP-SGD state, if it averages low-rank."""
         ...
@@ -79,7 +92,7 @@ class Collaboration(Protocol):
 class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
-    allreduce_bytes = allreduce_fp32_bytes = 0
+    allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = 0
     acp = None
 
     @property

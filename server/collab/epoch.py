@@ -121,6 +121,18 @@ class StageCollaboration:
         return self.averaging.fp32_bytes
 
     @property
+    def rounds_ok(self) -> int:
+        return self.averaging.gradients.rounds_ok
+
+    @property
+    def rounds_failed(self) -> int:
+        return self.averaging.gradients.rounds_failed
+
+    @property
+    def state_downloads(self) -> int:
+        return self.recovery.downloads
+
+    @property
     def acp(self) -> AcpState | None:
         return self.averaging.state.acp
 

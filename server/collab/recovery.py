@@ -62,6 +62,7 @@ class Recovery:
             stage,
             pool,
         )
+        self.downloads = 0  # states loaded from peers
 
     async def join(self) -> bool:
         """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
@@ -114,6 +115,7 @@ class Recovery:
         self.worker.load_state(meta, worker_tensors)
         if self.averager.acp is not None:
             self.averager.acp.load_shared(factors)
+        self.downloads += 1
         logger.info(
             "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -66,21 +67,29 @@ def decode_tensor(enc: EncodedTensor, device: torch.device, ctx: CodecContext | 
 
 class WireStats:
     """Bytes on the wire per tensor role (swarm.compression.TensorRole), next to what the same tensors would cost
-    uncompressed (fp32 for floats)."""
+    uncompressed (fp32 for floats). Any thread may add and read: one lock guards both."""
 
     def __init__(self) -> None:
         self.wire_bytes: dict[str, int] = defaultdict(int)
         self.fp32_bytes: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
 
     def add(self, role: str, enc: EncodedTensor) -> None:
         h = enc.header
         itemsize = 4 if WIRE_TO_DTYPE[h.dtype].is_floating_point else WIRE_TO_DTYPE[h.dtype].itemsize
-        self.wire_bytes[role] += enc.wire_bytes
-        self.fp32_bytes[role] += math.prod(h.shape) * itemsize + h.ByteSize()
+        with self._lock:
+            self.wire_bytes[role] += enc.wire_bytes
+            self.fp32_bytes[role] += math.prod(h.shape) * itemsize + h.ByteSize()
+
+    def by_role(self) -> dict[str, tuple[int, int]]:
+        """role -> (wire bytes, fp32 bytes)."""
+        with self._lock:
+            return {k: (self.wire_bytes[k], self.fp32_bytes[k]) for k in sorted(self.wire_bytes)}
 
     def as_dict(self) -> dict:
+        roles = self.by_role()
         return {
-            "wire_bytes": sum(self.wire_bytes.values()),
-            "fp32_bytes": sum(self.fp32_bytes.values()),
-            "by_role": {k: {"wire": self.wire_bytes[k], "fp32": self.fp32_bytes[k]} for k in sorted(self.wire_bytes)},
+            "wire_bytes": sum(w for w, _ in roles.values()),
+            "fp32_bytes": sum(f for _, f in roles.values()),
+            "by_role": {k: {"wire": w, "fp32": f} for k, (w, f) in roles.items()},
         }

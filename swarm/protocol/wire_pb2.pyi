@@ -90,7 +90,7 @@ class InfoRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes")
+    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes", "recent_loss", "traffic", "rounds_ok", "rounds_failed", "moves", "state_downloads", "transport")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,13 @@ class InfoReply(_message.Message):
     STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_BUSY_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_OK_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    STATE_DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     n_stages: int
@@ -131,7 +138,24 @@ class InfoReply(_message.Message):
     steps_rolled_back: int
     requests_busy: int
     allreduce_fp32_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ...) -> None: ...
+    recent_loss: float
+    traffic: _containers.RepeatedCompositeFieldContainer[Traffic]
+    rounds_ok: int
+    rounds_failed: int
+    moves: int
+    state_downloads: int
+    transport: str
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ..., recent_loss: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[Traffic, _Mapping]]] = ..., rounds_ok: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., moves: _Optional[int] = ..., state_downloads: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class Traffic(_message.Message):
+    __slots__ = ("role", "wire_bytes", "fp32_bytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP32_BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    wire_bytes: int
+    fp32_bytes: int
+    def __init__(self, role: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
     __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature")
