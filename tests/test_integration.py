@@ -1,7 +1,6 @@
 """Real swarms on 127.0.0.1: separate OS processes for the DHT, every server and every trainer."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -142,38 +141,3 @@ def test_a_killed_server_and_a_frozen_one_lose_no_microbatch(tmp_path, marker):
         print(f"frozen 20 s: longest stall {stall:.1f}s, {during} microbatches meanwhile, deadline before {deadline}s")
         assert final["lost_microbatches"] == 0
         assert "Traceback" not in (tmp_path / "trainer-0.log").read_text()
-
-
-@pytest.mark.timeout(200)
-def test_ctrl_c_stops_every_process(tmp_path, marker):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "swarm.tools.local",
-            "--duration",
-            "0",
-            "--stages",
-            "2",
-            "--servers-per-stage",
-            "1",
-            "--trainers",
-            "1",
-            "--log-dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        stats_file = tmp_path / "trainer-0.json"
-        wait_for(lambda: stats_file.exists() and json.loads(stats_file.read_text())["steps"] > 0, 120, "training")
-        assert len(processes_with_marker(marker)) >= 5  # launcher, dht, server, trainer and their DHT children
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-    wait_for(lambda: not processes_with_marker(marker), 10, "every process to exit")

@@ -99,12 +99,17 @@ class LocalConfig:
     slowdown: float = field(
         default=ComputeConfig.slowdown, metadata={"help": "servers emulate a device N times slower (see swarm-server)"}
     )
+    monitor_port: int = field(
+        default=0, metadata={"help": "port of the swarm-monitor dashboard on 127.0.0.1 (0: any free port, -1: none)"}
+    )
 
     def __post_init__(self) -> None:
         if min(self.stages, self.trainers) < 1:
             raise ValueError("--stages and --trainers must be >= 1")
         if self.rebalance_period_s <= 0 or self.slowdown < 1:
             raise ValueError("--rebalance-period-s must be > 0 and --slowdown >= 1")
+        if not -1 <= self.monitor_port < 65536:
+            raise ValueError(f"--monitor-port must be -1 (none) or a port in [0, 65535], got {self.monitor_port}")
         self.allocation  # noqa: B018 -- validates --servers-per-stage
 
     @property
@@ -222,6 +227,19 @@ class LocalSwarm:
         self.initial_peers = maddr_file.read_text().split()
         return self.initial_peers
 
+    def start_monitor(self, port: int = 0, timeout: float = 60.0) -> str:
+        """A swarm-monitor dashboard of this swarm on 127.0.0.1; returns its URL once it serves."""
+        url_file = self.log_dir / "monitor.url"
+        url_file.unlink(missing_ok=True)
+        args = ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers]
+        child = self.spawn("monitor", "swarm.tools.monitor", [*args, "--port", str(port), "--url-file", str(url_file)])
+        deadline = time.monotonic() + timeout
+        while not url_file.exists():
+            if not child.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the dashboard did not start; see {child.log_path}:\n{self.tail(child)}")
+            time.sleep(0.1)
+        return url_file.read_text()
+
     def _common(self) -> list[str]:
         return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
 
@@ -337,6 +355,11 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
         swarm.start_dht()
         start_peers(swarm, cfg)
+        if cfg.monitor_port >= 0:
+            try:
+                print(f"dashboard: {swarm.start_monitor(cfg.monitor_port)}", flush=True)
+            except RuntimeError as e:  # the swarm trains without it
+                print(f"swarm-local: no dashboard: {e}", flush=True)
         started, last_print, agg = time.monotonic(), 0.0, aggregate([], 0.0)
         reported_dead: set[str] = set()
         while not stop.wait(1.0):
