@@ -7,13 +7,27 @@ from dataclasses import dataclass, field
 from swarm.compression import CODECS
 from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
+from trainer.data import parse_hub_name
 
 
 @dataclass(kw_only=True)
 class TrainerConfig:
     swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
     initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
-    data: str | None = field(default=None, metadata={"help": "text file or folder (default: Python's stdlib source)"})
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "training text: a text file (memory-mapped), a folder of text files, a folder written by a "
+            "`datasets` save_to_disk, or a hub dataset hf:OWNER/NAME[/CONFIG] (streamed) (default: Python's stdlib "
+            "source)"
+        },
+    )
+    data_column: str = field(default="text", metadata={"help": "the text column of a --data dataset"})
+    data_split: str = field(default="train", metadata={"help": "the split of a --data dataset"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "a `tokenizers` JSON file; its ids must fit --vocab-size (default: bytes, ids < 256)"},
+    )
     batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=3, metadata={"help": "microbatches in the pipeline at once"})
     codec: str = field(
@@ -61,3 +75,7 @@ class TrainerConfig:
             raise ValueError("--min-request-timeout must be > 0 and <= --request-timeout")
         if self.request_timeout <= 0 or self.discovery_period <= 0:
             raise ValueError("--request-timeout and --discovery-period must be > 0")
+        if self.data is not None and self.data.startswith("hf:"):
+            parse_hub_name(self.data)
+        if not self.data_column or not self.data_split:
+            raise ValueError("--data-column and --data-split must not be empty")

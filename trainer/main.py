@@ -15,7 +15,7 @@ from dht.records import settings
 from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
 from swarm.config import ModelConfig
 from trainer.config import TrainerConfig
-from trainer.data import load_corpus, microbatches
+from trainer.data import batches
 from trainer.trainer import Trainer
 
 logger = logging.getLogger("swarm.trainer")
@@ -26,9 +26,16 @@ async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> d
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    corpus = load_corpus(cfg.data)
-    logger.info("corpus: %.1f MB from %s", len(corpus) / 1e6, cfg.data or "the Python standard library")
-    data = microbatches(corpus, cfg.batch_size, model_cfg.max_seq_len, seed=cfg.data_seed)
+    data = batches(
+        cfg.data,
+        batch_size=cfg.batch_size,
+        seq_len=model_cfg.max_seq_len,
+        seed=cfg.data_seed,
+        vocab_size=model_cfg.vocab_size,
+        tokenizer=cfg.tokenizer,
+        column=cfg.data_column,
+        split=cfg.data_split,
+    )
     return await Trainer(cfg, model_cfg, sdht, data).run(stop)
 
 
