@@ -9,10 +9,12 @@ import threading
 from pathlib import Path
 
 from dht.node import start_dht
+from swarm.cli import add_config_file_arg, parse_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-dht", description=__doc__)
+    add_config_file_arg(parser)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1 for a local swarm)")
     parser.add_argument("--port", type=int, default=31337, help="TCP port (0: any free port)")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="join an existing DHT instead of starting one")
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     stop = threading.Event()

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from server.checkpoint import weights_path
-from swarm.cli import add_model_args, model_from_args
+from swarm.cli import add_config_file_arg, add_model_args, model_from_args, parse_args
 from swarm.config import ModelConfig
 from swarm.model import GPT
 
@@ -34,6 +34,7 @@ def export_model(cfg: ModelConfig, checkpoint_dirs: list[str], out: str | Path) 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-export", description=__doc__.split("\n\n")[0])
+    add_config_file_arg(parser)
     parser.add_argument("--checkpoint-dir", nargs="+", required=True, help="folders of the stages' --checkpoint-dir")
     parser.add_argument("--out", required=True, help="safetensors file to write")
     add_model_args(parser)
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     model = export_model(model_from_args(args), args.checkpoint_dir, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(

@@ -17,7 +17,14 @@ from dht.node import SwarmDHT
 from dht.records import settings
 from server.config import ServerConfig
 from server.stage_server import StageServer
-from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
+from swarm.cli import (
+    add_config_args,
+    add_config_file_arg,
+    add_model_args,
+    config_from_args,
+    model_from_args,
+    parse_args,
+)
 from swarm.devices import resolve_device
 
 
@@ -31,6 +38,7 @@ async def _main(server: StageServer) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-server", description="Serve one SWARM pipeline stage.")
+    add_config_file_arg(parser)
     add_config_args(parser, ServerConfig)
     add_model_args(parser)
     return parser
@@ -38,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         cfg, model_cfg = config_from_args(ServerConfig, args), model_from_args(args)
     except ValueError as e:

@@ -12,7 +12,14 @@ import uvloop
 
 from dht.node import SwarmDHT
 from dht.records import settings
-from swarm.cli import add_config_args, add_model_args, config_from_args, model_from_args
+from swarm.cli import (
+    add_config_args,
+    add_config_file_arg,
+    add_model_args,
+    config_from_args,
+    model_from_args,
+    parse_args,
+)
 from swarm.config import ModelConfig
 from trainer.config import TrainerConfig
 from trainer.data import batches
@@ -41,6 +48,7 @@ async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> d
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-trainer", description=__doc__)
+    add_config_file_arg(parser)
     add_config_args(parser, TrainerConfig)
     add_model_args(parser)
     return parser
@@ -48,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         cfg, model_cfg = config_from_args(TrainerConfig, args), model_from_args(args)
     except ValueError as e:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from server.config import (
     AveragingConfig,
     ComputeConfig,
@@ -32,7 +34,15 @@ from server.config import (
     OptimizerConfig,
     ServerConfig,
 )
-from swarm.cli import add_config_args, config_from_args, to_argv
+from swarm.cli import (
+    add_config_args,
+    add_config_file_arg,
+    config_from_args,
+    config_values,
+    parse_args,
+    to_argv,
+    write_config_file,
+)
 from swarm.compression import CODECS
 from swarm.config import PRESETS
 from swarm.rebalance import RebalanceConfig
@@ -102,6 +112,12 @@ class LocalConfig:
     monitor_port: int = field(
         default=0, metadata={"help": "port of the swarm-monitor dashboard on 127.0.0.1 (0: any free port, -1: none)"}
     )
+    sample_bytes: int = field(
+        default=200,
+        metadata={
+            "help": "at the end, print this many bytes sampled from the trained swarm by swarm-generate (0: none)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if min(self.stages, self.trainers) < 1:
@@ -110,6 +126,8 @@ class LocalConfig:
             raise ValueError("--rebalance-period-s must be > 0 and --slowdown >= 1")
         if not -1 <= self.monitor_port < 65536:
             raise ValueError(f"--monitor-port must be -1 (none) or a port in [0, 65535], got {self.monitor_port}")
+        if self.sample_bytes < 0:
+            raise ValueError(f"--sample-bytes must be >= 0, got {self.sample_bytes}")
         self.allocation  # noqa: B018 -- validates --servers-per-stage
 
     @property
@@ -334,13 +352,80 @@ def aggregate(stats: list[dict], elapsed: float) -> dict:
 
 
 def progress_line(agg: dict) -> str:
+    return f"[{agg['training_seconds']:6.0f}s] {progress_status(agg)}"
+
+
+def progress_status(agg: dict) -> str:
     loss = f"{agg['final_loss']:.3f}" if agg["final_loss"] is not None else "-"
     ratio = agg["fp32_bytes"] / agg["wire_bytes"] if agg["wire_bytes"] else 0.0
     return (
-        f"[{agg['training_seconds']:6.0f}s] step {agg['steps']:5d} | loss {loss} | {agg['samples_per_second']:5.1f} "
+        f"step {agg['steps']:5d} | loss {loss} | {agg['samples_per_second']:5.1f} "
         f"samples/s | peers/stage {'/'.join(map(str, agg['peers_per_stage'])) or '-'} | wire "
         f"{agg['wire_bytes'] / 1e6:7.1f} MB ({ratio:.2f}x < fp32) | lost {agg['lost_microbatches']}"
     )
+
+
+def progress_bar(cfg: LocalConfig) -> tqdm:
+    """A terminal's live progress: towards --max-steps if set, else towards --duration, else open-ended; the status
+    of `progress_line` follows the bar. Cleared when closed: the final `progress_line` takes its place."""
+    if cfg.max_steps > 0:
+        total, unit = float(cfg.max_steps), " steps"
+    elif cfg.duration > 0:
+        total, unit = cfg.duration, "s"
+    else:
+        return tqdm(file=sys.stdout, bar_format="{elapsed}{postfix}", dynamic_ncols=True, leave=False)
+    bar_format = "{percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}" + unit + " [{elapsed}<{remaining}]{postfix}"
+    return tqdm(total=total, file=sys.stdout, bar_format=bar_format, dynamic_ncols=True, leave=False)
+
+
+def show_progress(bar: tqdm, cfg: LocalConfig, agg: dict) -> None:
+    done = agg["steps"] if cfg.max_steps > 0 else agg["training_seconds"]
+    bar.n = min(done, bar.total) if bar.total else done
+    bar.set_postfix_str(progress_status(agg), refresh=False)
+    bar.refresh()
+
+
+SAMPLE_TIMEOUT_S = 120.0  # swarm-generate's start (a DHT node) and one forward pass through every stage per byte
+
+
+def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> str | None:
+    """`cfg.sample_bytes` bytes sampled from the live swarm by swarm-generate (a child process, stopped like the
+    others), or None after printing why not: a sample that fails never fails the run."""
+    from swarm.tools.generate import GenerateConfig  # here: it imports hivemind, which the launcher needs nowhere else
+
+    out_path, log_path = swarm.log_dir / "sample.txt", swarm.log_dir / "generate.log"
+    try:
+        gen = GenerateConfig(
+            initial_peers=swarm.initial_peers, swarm_name=swarm.swarm_name, max_new_bytes=cfg.sample_bytes
+        )
+        print(f"sampling {cfg.sample_bytes} bytes after {gen.prompt!r} from the swarm (see {log_path})...", flush=True)
+        with open(out_path, "wb") as out, open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "swarm.tools.generate", *to_argv(gen), *swarm.model_args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+    except (OSError, ValueError) as e:
+        print(f"swarm-local: warning: no sample: could not start swarm-generate: {e}", flush=True)
+        return None
+    swarm.children["generate"] = child = Child("generate", proc, log_path)
+    deadline = time.monotonic() + SAMPLE_TIMEOUT_S
+    while child.alive() and time.monotonic() < deadline and not stop.wait(0.2):
+        pass
+    why = None
+    if child.alive():
+        why = "interrupted" if stop.is_set() else f"timed out after {SAMPLE_TIMEOUT_S:.0f}s"
+    swarm.stop(["generate"], grace=5)
+    if why is None and proc.returncode != 0:
+        why = f"swarm-generate exited with {proc.returncode}:\n{swarm.tail(child, 5)}"
+    if why is not None:
+        print(f"swarm-local: warning: no sample: {why}", flush=True)
+        return None
+    text = out_path.read_text(errors="replace").removesuffix("\n")
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)  # no terminal escapes
 
 
 def run(cfg: LocalConfig, stop: threading.Event) -> dict:
@@ -362,17 +447,22 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
                 print(f"swarm-local: no dashboard: {e}", flush=True)
         started, last_print, agg = time.monotonic(), 0.0, aggregate([], 0.0)
         reported_dead: set[str] = set()
+        bar = progress_bar(cfg) if tty else None
         while not stop.wait(1.0):
             elapsed = time.monotonic() - started
             agg = aggregate(swarm.trainer_stats(), elapsed)
             for child in swarm.children.values():
                 if not child.alive() and child.name not in reported_dead:
                     reported_dead.add(child.name)
-                    print(f"\n{child.name} exited with {child.proc.returncode}:\n{swarm.tail(child)}", flush=True)
+                    message = f"{child.name} exited with {child.proc.returncode}:\n{swarm.tail(child)}"
+                    if bar is not None:
+                        bar.write(message, file=sys.stdout)
+                    else:
+                        print("\n" + message, flush=True)
             if all(not c.alive() for n, c in swarm.children.items() if n.startswith("trainer")):
                 break
-            if tty:
-                print("\r" + progress_line(agg), end="", flush=True)
+            if bar is not None:
+                show_progress(bar, cfg, agg)
             elif elapsed - last_print >= 5:
                 last_print = elapsed
                 print(progress_line(agg), flush=True)
@@ -380,27 +470,50 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
                 break
         swarm.stop([n for n in swarm.children if n.startswith("trainer")])  # trainers write their final stats
         agg = aggregate(swarm.trainer_stats(), time.monotonic() - started)
-    print(("\n" if tty else "") + progress_line(agg), flush=True)
-    summary = {**agg, "config": {k: v for k, v in vars(cfg).items()}, "log_dir": str(log_dir)}
+        if bar is not None:
+            bar.close()
+        print(progress_line(agg), flush=True)
+        if agg["initial_loss"] and agg["final_loss"]:
+            print(
+                f"loss {agg['initial_loss']:.3f} -> {agg['final_loss']:.3f} "
+                f"({agg['final_loss'] / agg['initial_loss']:.0%} of initial) in {agg['steps']} microbatches",
+                flush=True,
+            )
+        sample = None
+        if cfg.sample_bytes > 0 and not stop.is_set():  # after Ctrl-C the user wants out, not a sample
+            sample = sample_text(swarm, cfg, stop)
+            if sample is not None:
+                print(f"sample of the trained model:\n{sample}", flush=True)
+    summary = {**agg, "sample": sample, "config": {k: v for k, v in vars(cfg).items()}, "log_dir": str(log_dir)}
     if cfg.summary_json:
         Path(cfg.summary_json).write_text(json.dumps(summary, indent=2))
-    if agg["initial_loss"] and agg["final_loss"]:
-        print(
-            f"loss {agg['initial_loss']:.3f} -> {agg['final_loss']:.3f} "
-            f"({agg['final_loss'] / agg['initial_loss']:.0%} of initial) in {agg['steps']} microbatches",
-            flush=True,
-        )
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-local", description=__doc__.split("\n\n")[0])
+    add_config_file_arg(parser)
+    parser.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="write this run's settings to FILE as TOML, then run; --config FILE repeats the run",
+    )
     add_config_args(parser, LocalConfig)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args(parser, argv)
     try:
         cfg = config_from_args(LocalConfig, args)
     except ValueError as e:
         parser.error(str(e))
+    if args.write_config:
+        try:
+            write_config_file(args.write_config, config_values(cfg))
+        except OSError as e:
+            parser.error(f"--write-config {args.write_config}: {e.strerror or e}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

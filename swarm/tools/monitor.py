@@ -29,7 +29,7 @@ from aiohttp import web
 
 from dht.node import SwarmDHT
 from dht.records import PeerEntry
-from swarm.cli import add_config_args, config_from_args
+from swarm.cli import add_config_args, add_config_file_arg, config_from_args, parse_args
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 
@@ -363,12 +363,13 @@ async def _main(cfg: MonitorConfig, sdht: SwarmDHT) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-monitor", description=__doc__.split("\n\n")[0])
     add_config_args(parser, MonitorConfig)
+    add_config_file_arg(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     try:
         cfg = config_from_args(MonitorConfig, args)
     except ValueError as e:

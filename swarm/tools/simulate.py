@@ -23,10 +23,10 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from swarm.cli import add_config_args, config_from_args
+from swarm.cli import add_config_args, add_config_file_arg, config_from_args, parse_args
 from swarm.rebalance import PeerLoad, RebalanceConfig, StageLoad, SwarmView, choose_stage, decide, optimal_throughput
 
 HOUR = 3600.0
@@ -41,18 +41,35 @@ class SimConfig:
 
     # Defaults are calibrated so that "no rebalancing" lands near the paper's Table 5 baseline (82.7% overall, 45.4%
     # in the last hour): a small swarm whose join rate peaks mid-trace, so it shrinks through the last hours.
-    n_stages: int = 4
-    hours: float = 32.0
-    peers_per_stage: float = 5.0
-    lifetime_h: float = 8.0  # mean peer lifetime (Weibull)
-    weibull_shape: float = 0.8  # < 1: many early preemptions, a few long-lived peers
-    daily_swing: float = 0.95  # join rate x (1 + swing x cos(2 pi (t - peak_h) / 24 h)): spot capacity comes and goes
-    peak_h: float = 20.0  # hour of the trace when joins peak
-    burst_every_h: float = 8.0  # mean time between preemption waves (Poisson; 0 = none)
-    burst_fraction: float = 0.2  # share of live peers a wave reclaims at once
-    hetero: bool = False  # peers from GPU_CLASSES instead of all equal
-    migration_s: float = 30.0  # a moving or joining peer serves nothing this long (state download)
-    inflight_per_peer: float = 2.0  # microbatches in flight per serving peer: the queue model "paper" reads
+    n_stages: int = field(default=4, metadata={"help": "pipeline stages"})
+    hours: float = field(default=32.0, metadata={"help": "length of the simulated trace, hours"})
+    peers_per_stage: float = field(
+        default=5.0, metadata={"help": "mean live peers per stage: sets the join rate (Poisson)"}
+    )
+    lifetime_h: float = field(default=8.0, metadata={"help": "mean peer lifetime (Weibull), hours"})
+    weibull_shape: float = field(
+        default=0.8, metadata={"help": "shape of the lifetimes; < 1: many early preemptions, a few long-lived peers"}
+    )
+    daily_swing: float = field(
+        default=0.95,
+        metadata={
+            "help": "join rate x (1 + swing x cos(2 pi (t - peak) / 24 h)), in [0, 1): spot capacity comes and goes"
+        },
+    )
+    peak_h: float = field(default=20.0, metadata={"help": "hour of the trace when joins peak"})
+    burst_every_h: float = field(
+        default=8.0, metadata={"help": "mean hours between preemption waves (Poisson; 0: none)"}
+    )
+    burst_fraction: float = field(default=0.2, metadata={"help": "share of live peers a wave reclaims at once"})
+    hetero: bool = field(
+        default=False, metadata={"help": "peers 1x/2x/4x fast (T4/V100/A100-like, 50/30/20%%) instead of all equal"}
+    )
+    migration_s: float = field(
+        default=30.0, metadata={"help": "seconds a moving or joining peer serves nothing (state download)"}
+    )
+    inflight_per_peer: float = field(
+        default=2.0, metadata={"help": "microbatches in flight per serving peer: the queues that 'paper' reads"}
+    )
 
     def __post_init__(self) -> None:
         positive = ("n_stages", "hours", "peers_per_stage", "lifetime_h", "weibull_shape", "inflight_per_peer")
@@ -354,23 +371,34 @@ def plot(result: dict, path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-simulate", description=__doc__.split("\n")[0])
+    add_config_file_arg(parser)
     add_config_args(parser, SimConfig)
+    rebalance = {f.name: f for f in dataclasses.fields(RebalanceConfig)}
     for f in REBALANCE_FLAGS:  # the simulator sweeps the algorithm and the period itself
         default = getattr(RebalanceConfig(), f)
-        parser.add_argument(f"--rebalance-{f.replace('_', '-')}", type=type(default), help=f"(default: {default})")
+        help = f"{rebalance[f].metadata['help']} (default: {default})"
+        parser.add_argument(f"--rebalance-{f.replace('_', '-')}", type=type(default), help=help)
     parser.add_argument("--periods", type=float, nargs="+", default=[300.0, 60.0], help="rebalancing periods T, s")
-    parser.add_argument("--seeds", type=int, default=10)
-    parser.add_argument("--scaling-stages", type=int, nargs="*", default=[4, 8, 16, 32])
+    parser.add_argument(
+        "--seeds", type=int, default=10, help="seeded traces, each replayed under every policy (default: 10)"
+    )
+    parser.add_argument(
+        "--scaling-stages",
+        type=int,
+        nargs="*",
+        default=[4, 8, 16, 32],
+        help="pipeline depths of the scaling table, besides --n-stages (default: 4 8 16 32)",
+    )
     parser.add_argument("--trace-csv", help="replay time_s,join|leave,peer_id[,throughput] (disables scaling)")
     parser.add_argument("--quick", action="store_true", help="4 h, 3 seeds, 4 and 8 stages: a smoke run")
-    parser.add_argument("--out-json")
-    parser.add_argument("--out-png")
+    parser.add_argument("--out-json", help="write the full results here as JSON")
+    parser.add_argument("--out-png", help="plot throughput over time and the scaling table here (needs matplotlib)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.quick:
         args.hours, args.seeds, args.scaling_stages = min(args.hours, 4.0), min(args.seeds, 3), [4, 8]
     sim = config_from_args(SimConfig, args)
