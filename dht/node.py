@@ -20,7 +20,9 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from dht.forking import forking
 from dht.identity import Identity, fingerprint, owner_of
+from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,8 @@ def start_dht(
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    return hivemind.DHT(
+    ensure_reaper()  # hivemind's child and its p2pd die with us, even if we are killed (dht/reaper.py)
+    dht = hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         client_mode=client_mode,
@@ -50,9 +53,12 @@ def start_dht(
             (identity or Identity()).validator,
             *([StageRecordValidator(swarm_name)] if swarm_name else []),
         ],
-        start=True,
-        await_ready=True,
+        start=False,
     )
+    with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
+        dht.run_in_background(await_ready=False)
+    dht.wait_until_ready()
+    return dht
 
 
 class SwarmDHT:

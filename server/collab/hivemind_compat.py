@@ -33,6 +33,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
 
+from dht.forking import forking
+
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
 
@@ -47,10 +49,12 @@ def check_version() -> None:
 
 
 def start_in_background(averager: DecentralizedAverager) -> None:
-    """Fork the averager's process without losing our SIGINT handler (hivemind sets it to "ignore")."""
+    """Fork the averager's process (frozen: dht/forking.py) without losing our SIGINT handler (hivemind sets it to
+    "ignore")."""
     handler = signal.getsignal(signal.SIGINT)
     try:
-        averager.run_in_background(await_ready=False)
+        with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
+            averager.run_in_background(await_ready=False)
     finally:
         signal.signal(signal.SIGINT, handler)
 

@@ -1,0 +1,30 @@
+"""Forking a process that has run gRPC: hivemind's DHT node and averagers are forked children of our peer process.
+
+A forked child inherits a copy of every Python object of its parent, the gRPC channels, calls and servers of our
+stage RPC included. When the child's garbage collector frees those copies, gRPC's finalizers run in a process where
+gRPC was never set up: seen in CI, an averager's child spun at 100% CPU for minutes inside such a finalizer (called
+from `gc_collect_main`), so the stage's all-reduces failed and the test hung. The child never uses them; it must
+never collect them either. `gc.freeze()` right before the fork moves every object the parent has to a generation
+the collector ignores, in the child for good (it never unfreezes) and in the parent until `gc.unfreeze()` right
+after: the fix Python's documentation of `gc.freeze` describes for forked workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+_lock = threading.Lock()  # one fork at a time: another thread's unfreeze must not land between our freeze and fork
+
+
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Wrap the call that forks (hivemind's `DHT(start=True)`, `run_in_background`) in this."""
+    with _lock:
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()

@@ -1,0 +1,78 @@
+"""No orphans: what a peer process started (hivemind's DHT child, its p2pd daemon, their sockets) ends with it."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dht.reaper import _alive, _cmdline, _processes, daemon_sockets, descendants
+from tests.conftest import wait_for
+
+PEER = """
+import os, sys
+from dht.node import start_dht
+dht = start_dht()
+print(dht.pid, flush=True)
+sys.stdin.readline()
+os._exit(0)  # no shutdown, no atexit: what a crash leaves
+"""
+
+
+def test_daemon_sockets_come_from_the_command_line():
+    cmd = b"/x/hivemind_cli/p2pd -idleTimeout=30s -listen=/unix/tmp/hivemind-p2pd-kL6YL_J2-Y.sock -relay=1 "
+    assert daemon_sockets(cmd) == ["/tmp/hivemind-p2pd-kL6YL_J2-Y.sock", "/tmp/hivemind-p2pclient-kL6YL_J2-Y.sock"]
+    assert daemon_sockets(b"python -m server.main --listen=/unix/tmp/x.sock") == []
+    assert daemon_sockets(b"p2pd -listen=/unix/tmp/hivemind-p2pd-../../etc.sock") == []  # only a plain id
+
+
+def test_descendants_skip_other_reapers_and_what_they_watch():
+    table = {10: (1, 100), 11: (10, 110), 12: (11, 120), 13: (10, 130), 14: (2, 140)}
+    assert descendants(10, table) == {11: 110, 12: 120, 13: 130}
+    assert descendants(14, table) == {}
+
+
+def _is_daemon(pid: int) -> bool:
+    return b"hivemind_cli/p2pd " in _cmdline(pid)
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    return _processes().get(pid)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("end", ["SIGKILL", "exit"])
+def test_a_dead_peer_takes_its_dht_child_p2pd_and_sockets_along(end):
+    """Without the reaper, hivemind's DHT child and p2pd stayed alive for good after their parent's SIGKILL."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        below = wait_for(lambda: (d := descendants(parent.pid)) and any(map(_is_daemon, d)) and d, 30, "p2pd")
+        assert not any(b"dht.reaper" in _cmdline(p) for p in below), "the reaper is not among what it reaps"
+        (daemon,) = filter(_is_daemon, below)
+        assert child in below
+        sockets = daemon_sockets(_cmdline(daemon))
+        assert os.path.exists(sockets[0])
+        reaper = next(
+            p for p, (ppid, _) in _processes().items() if ppid == parent.pid and b"-m dht.reaper " in _cmdline(p)
+        )
+        reaper_started = _stat(reaper)[1]
+        time.sleep(1.5)  # a scan of the reaper's has seen them
+        if end == "SIGKILL":
+            parent.kill()
+        else:
+            parent.stdin.write("exit\n")
+            parent.stdin.flush()
+        parent.wait(10)
+        wait_for(lambda: not any(_alive(p, s) for p, s in below.items()), 20, "the DHT child and p2pd to exit")
+        wait_for(lambda: not _alive(reaper, reaper_started), 10, "the reaper to exit")
+        assert not any(os.path.exists(path) for path in sockets)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(10)
