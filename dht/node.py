@@ -104,6 +104,10 @@ class SwarmDHT:
             get_dht_time() + ttl,
             subkey=self.identity.owner_subkey,
             return_future=True,
+            # done once one replica has it (the rest go on in the background): a replica that stopped answering (a
+            # frozen peer's DHT node) would otherwise hold every announce for hivemind's wait_timeout or more,
+            # until healthy servers' records lapsed in trainers' views
+            await_all_replicas=False,
         )
         return bool(await asyncio.wait_for(future, self.timeout))
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import get_dht_time
 
@@ -25,6 +27,8 @@ from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
+
+ABANDON_POLL_S = 0.1  # how often a round in progress checks whether anyone is left to average with
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +108,13 @@ class GradientAveraging:
         round_tag: int,
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
+        nobody_left: Callable[[], bool] = lambda: False,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
         every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
-        `retry_grace` seconds for that to become known before retrying. `round_tag` (the epoch) travels with our
+        `retry_grace` seconds for that to become known before retrying. Once `nobody_left()` (every peer of the
+        stage stopped answering: dead or frozen), the round fails at once instead of waiting out its timeout for
+        them, which would hold the compute thread and the trainers' calls. `round_tag` (the epoch) travels with our
         part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
         for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them."""
 
@@ -117,7 +124,8 @@ class GradientAveraging:
 
         numel = sum(g.numel() for g in grads)
         gather = [round_tag, PHASE_FULL, self.cfg.scheme]
-        if not self._run(fill, n_samples, label, gather, (numel, numel), finished_without_us, retry_grace):
+        waits = (finished_without_us, retry_grace, nobody_left)
+        if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
             return None
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
@@ -132,13 +140,18 @@ class GradientAveraging:
         numel: tuple[int, int],
         finished_without_us: Callable[[], bool],
         retry_grace: float,
+        nobody_left: Callable[[], bool],
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
         `numel`: (values sent, values of the whole gradients), for the byte counts."""
         started = time.monotonic()
         result = None
-        while result is None and time.monotonic() - started < self.cfg.averaging_timeout and not finished_without_us():
+
+        def give_up() -> bool:
+            return time.monotonic() - started >= self.cfg.averaging_timeout or finished_without_us() or nobody_left()
+
+        while result is None and not give_up():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(
@@ -150,7 +163,7 @@ class GradientAveraging:
                 wait=False,
             )
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
-                result = control.result(timeout=2 * self.cfg.averaging_timeout)
+                result = self._result(control, nobody_left)
             except Exception as e:
                 control.cancel()
                 logger.warning("all-reduce attempt failed: %r", e)
@@ -177,6 +190,18 @@ class GradientAveraging:
         )
         return True
 
+    def _result(self, control: StepControl, nobody_left: Callable[[], bool]) -> dict | None:
+        """The attempt's result, within twice the averaging timeout, or at once an error once `nobody_left()`."""
+        deadline = time.monotonic() + 2 * self.cfg.averaging_timeout
+        while True:
+            try:
+                return control.result(timeout=min(ABANDON_POLL_S, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if nobody_left():
+                    raise AllreduceException("every peer of the stage stopped answering") from None
+                if time.monotonic() >= deadline:
+                    raise
+
     @staticmethod
     def _finite(averaged: list[torch.Tensor], label: str) -> bool:
         if all(bool(torch.isfinite(a).all()) for a in averaged):
@@ -202,9 +227,11 @@ class LowRankGradientAveraging(GradientAveraging):
         round_tag: int,
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
+        nobody_left: Callable[[], bool] = lambda: False,
     ) -> list[torch.Tensor] | None:
+        waits = (finished_without_us, retry_grace, nobody_left)
         if round_tag < self.cfg.allreduce_warmup_epochs:
-            return super().average(grads, n_samples, label, round_tag, finished_without_us, retry_grace)
+            return super().average(grads, n_samples, label, round_tag, *waits)
         layout, shapes = self.acp.layout, [g.shape for g in grads]
         rnd = self.acp.compress(grads, round_tag, float(n_samples))
         factors = self.averager.factors[rnd.phase]
@@ -217,7 +244,7 @@ class LowRankGradientAveraging(GradientAveraging):
 
         numel = (layout.sent_numel(rnd.phase, shapes), sum(g.numel() for g in grads))
         gather = [round_tag, rnd.phase, self.cfg.scheme]
-        if not self._run(fill, n_samples, label, gather, numel, finished_without_us, retry_grace):
+        if not self._run(fill, n_samples, label, gather, numel, *waits):
             return None
         with self.averager.get_tensors() as buffers:
             averaged_factors = [f.clone() for f in factors]

@@ -39,7 +39,7 @@ from server.collab.lowrank import AcpState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
-from server.worker import DeadlineExpired, StageWorker
+from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 
@@ -52,8 +52,12 @@ class ProgressRefused(Exception):
     implausible. The sender gets PERMISSION_DENIED."""
 
 
+ADMISSION_REPLY_MARGIN_S = 1.5  # a Forward held for the next global batch is refused this long before its deadline
+
+
 class AdmissionRefused(Exception):
-    """This peer's share of the global batch is full, others' are not: the microbatch belongs on another peer."""
+    """This peer's share of the global batch is full, others' are not: the microbatch belongs on another peer; or
+    the batch has not stepped yet and the call's deadline is near: the trainer asks again shortly."""
 
 
 class Phase(enum.Enum):
@@ -278,8 +282,10 @@ class StageCollaboration:
                 )
             if placed is not Decision.WAIT:
                 break
-            if deadline is not None and time.monotonic() > deadline:
-                raise DeadlineExpired
+            if deadline is not None and time.monotonic() > deadline - ADMISSION_REPLY_MARGIN_S:
+                # answer while the caller still listens: a call that times out looks like a dead peer to it (a ban),
+                # a refusal is retried shortly (a stage further down the pipeline may be slow or frozen meanwhile)
+                raise AdmissionRefused(f"admission: global batch {epoch} is full and has not stepped yet; ask again")
             self._admission.clear()
             try:
                 await asyncio.wait_for(self._admission.wait(), self.cfg.progress_period)
@@ -319,7 +325,7 @@ class StageCollaboration:
             await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
 
     async def _poll_forever(self) -> None:
-        last_refresh = 0.0
+        last_refresh = last_heartbeat = 0.0
         while True:
             try:
                 await asyncio.wait_for(self._kick.wait(), self.cfg.progress_period)
@@ -327,6 +333,12 @@ class StageCollaboration:
                 pass
             self._kick.clear()
             try:
+                if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
+                    # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead)
+                    # leaves the group within --peer-timeout, and a round left with nobody gives up at once instead
+                    # of holding the compute thread for --averaging-timeout (averaging.py, `nobody_left`)
+                    last_heartbeat = time.monotonic()
+                    self._spawn(self._broadcast(end_epoch=False))
                 if time.monotonic() - last_refresh > self.network.announce_period:
                     last_refresh = time.monotonic()
                     await self.peers.refresh()
@@ -421,6 +433,7 @@ class StageCollaboration:
             round_tag=epoch,
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
+            nobody_left=lambda: not self.peers.peers,
         )
 
     def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:

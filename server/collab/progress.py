@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -22,6 +23,7 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 
 logger = logging.getLogger(__name__)
+UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
 
 
 class StagePeers:
@@ -35,6 +37,11 @@ class StagePeers:
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
         self._not_admitting: set[str] = set()  # stage 0 peers that said they admit no more Forwards
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
+        # peers a Progress could not reach (dead or frozen: their DHT records outlive them by up to a record's
+        # lifetime), by when: left out of the group even while the DHT lists them, until they speak again or
+        # UNREACHABLE_HOLD_S pass; `held` keeps the addresses the DHT lists for them meanwhile
+        self._unreachable: dict[str, float] = {}
+        self.held: dict[str, str] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
@@ -58,6 +65,10 @@ class StagePeers:
         stage peer at the address its record gives."""
         if msg.peer_id in self.pending:
             self.peers[msg.peer_id] = self.pending.pop(msg.peer_id)
+        if msg.peer_id in self.held:  # it speaks again: it was frozen, or its link was down
+            logger.info("stage peer %s answers again; back in the group", self.held[msg.peer_id])
+            self.peers[msg.peer_id] = self.held.pop(msg.peer_id)
+            self._unreachable.pop(msg.peer_id, None)
         if msg.peer_id not in self.peers:
             return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
         return None
@@ -85,6 +96,10 @@ class StagePeers:
             e for e in await self.sdht.discover(self.stage, include_pending=True) if e.peer_id != self.sdht.peer_id
         ]
         listed = {e.peer_id: e.record.address for e in entries if e.record.ready}
+        now = time.monotonic()
+        self._unreachable = {p: t for p, t in self._unreachable.items() if now - t < UNREACHABLE_HOLD_S}
+        self.held = {p: a for p, a in listed.items() if p in self._unreachable}
+        listed = {p: a for p, a in listed.items() if p not in self._unreachable}
         self.pending = {e.peer_id: e.record.address for e in entries if not e.record.ready}
         self.p2p_ids.update({e.peer_id: e.record.p2p_id for e in entries})
         missed = {p: a for p, a in self.peers.items() if p not in listed and p not in self._missed_once}
@@ -126,7 +141,9 @@ class StagePeers:
                 logger.debug("stage peer %s does not list us yet", address)
                 return
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
-            self.peers.pop(peer_id, None)
+            if self.peers.pop(peer_id, None) is not None:
+                self._unreachable[peer_id] = time.monotonic()
+                self.held[peer_id] = address
             self.view.pop(peer_id, None)
             channel = self._channels.pop(address, None)
             if channel is not None:

@@ -22,16 +22,38 @@ GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
     ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
 ]
+# A frozen peer (SIGSTOP, a hung host) keeps its TCP connections open and answers nothing: calls to it would wait out
+# their whole deadline, which must be long enough for a healthy peer busy in an all-reduce. gRPC's core answers HTTP/2
+# pings on its own threads, whatever the peer's Python is doing, so a ping unanswered for KEEPALIVE_TIMEOUT_MS means
+# the process (or its host or link) is gone: the connection closes and every call on it fails UNAVAILABLE at once.
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 2_000, 6_000
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),  # while calls are open; an idle channel sends nothing
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a long wait for a reply
+    # a restarted server is dialled again within a second or two, not after grpc's backoff of up to 2 minutes
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    # accept those pings: by default a server answers a client that pings more than once per 5 minutes without data
+    # with GOAWAY ("too_many_pings") after two strikes
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 SERVICE = "swarm.v1.Stage"
 
 
 def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 def sync_channel(address: str) -> grpc.Channel:
     """For tools and benchmarks that poll from a thread."""
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class StageStub:
@@ -91,7 +113,7 @@ def stage_handler(forward, backward, info, progress) -> grpc.GenericRpcHandler:
 
 
 def aio_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=GRPC_OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

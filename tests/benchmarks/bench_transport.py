@@ -10,7 +10,8 @@ The raw echo is a stream-stream service that returns each bytes message it gets,
 sends the same payload in the same 2 MiB messages and reads them back. It copies nothing in Python (its chunks are built
 once, its server returns the objects it received); the stage RPC turns each tensor into bytes, copies them into frames
 and out of frames into one buffer, in both directions, and checks that the tensors are finite. Both run in this process,
-on one event loop, with the same channel and server options (swarm.protocol.rpc.GRPC_OPTIONS), one call at a time, interleaved.
+on one event loop, with the same channel and server options (swarm.protocol.rpc's aio_channel and aio_server), one
+call at a time, interleaved.
 
     python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
 """

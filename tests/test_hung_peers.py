@@ -1,0 +1,68 @@
+"""A peer that stops answering (frozen, dead, its link down) costs the stage seconds, not a timeout: the pieces.
+
+The whole behaviour runs in tests/test_integration.py (`frozen_one`: a server SIGSTOPped for 20 s, its stall printed).
+"""
+
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+from hivemind.averaging.partition import AllreduceException
+
+from dht.records import PeerEntry, ServerRecord
+from server.collab.averaging import GradientAveraging
+from server.collab.progress import StagePeers
+from server.config import AveragingConfig
+from swarm.protocol import wire_pb2 as pb
+from tests.conftest import free_port
+
+
+class ListingDHT:
+    """What StagePeers asks the DHT: who serves the stage. Lists `addresses` (peer id -> host:port) as ready."""
+
+    def __init__(self, addresses: dict[str, str]):
+        self.peer_id, self.addresses = "us", addresses
+
+    async def discover(self, stage: int, include_pending: bool = False) -> list[PeerEntry]:
+        records = {p: a.rsplit(":", 1) for p, a in self.addresses.items()}
+        return [
+            PeerEntry(p, ServerRecord(host=h, port=int(port), stage=stage), time.time() + 20)
+            for p, (h, port) in records.items()
+        ]
+
+
+@pytest.mark.timeout(30)
+async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_speaks():
+    """The DHT keeps listing a frozen peer until its record expires; a DHT read must not bring it back into the group
+    (a round would wait for it again), but a message from it must."""
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: the Progress fails at once (UNAVAILABLE)
+    peers = StagePeers(ListingDHT({"frozen": dead}), stage=1, peer_timeout=1.0)
+    await peers.refresh()
+    assert peers.peers == {"frozen": dead}
+    await peers._send("frozen", dead, pb.StageProgress())
+    assert peers.peers == {} and peers.held == {"frozen": dead}
+    await peers.refresh()
+    assert peers.peers == {}, "a DHT read brought back a peer that does not answer"
+    assert peers.unlisted(pb.StageProgress(peer_id="frozen")) is None, "it speaks again: it counts"
+    assert peers.peers == {"frozen": dead} and peers.held == {}
+    await peers.refresh()
+    assert peers.peers == {"frozen": dead}
+    await peers.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_round_left_with_nobody_gives_up_at_once():
+    """A Future that never completes stands for hivemind's StepControl while its group waits for a frozen peer."""
+    averaging = GradientAveraging(SimpleNamespace(), AveragingConfig(averaging_timeout=10.0), codec=None)
+    left = time.monotonic() + 0.5
+    started = time.monotonic()
+    with pytest.raises(AllreduceException, match="stopped answering"):
+        averaging._result(Future(), nobody_left=lambda: time.monotonic() > left)
+    assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):  # peers still there: the round's own bound (2 x the timeout) holds
+        GradientAveraging(SimpleNamespace(), AveragingConfig(averaging_timeout=0.2), codec=None)._result(
+            Future(), nobody_left=lambda: False
+        )
+    assert 0.35 < time.monotonic() - started < 2.0
