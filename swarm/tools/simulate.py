@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from tqdm import tqdm
+
 from swarm.cli import add_config_args, add_config_file_arg, config_from_args, parse_args
 from swarm.rebalance import PeerLoad, RebalanceConfig, StageLoad, SwarmView, choose_stage, decide, optimal_throughput
 
@@ -313,16 +315,25 @@ def run_experiment(
     pct: dict[str, dict[str, list[float]]] = {name: {w: [] for w in windows} for name, _ in runs}
     moves: dict[str, list[int]] = {name: [] for name, _ in runs}
     series: dict[str, list[float]] = {name: [0.0] * n_bins for name, _ in runs + [("optimal", None)]}
+    # a bar in a terminal, a line per seed otherwise (logs, CI)
+    bar = tqdm(total=seeds * len(runs), desc=f"{sim.n_stages} stages", leave=False) if sys.stderr.isatty() else None
     for seed in range(seeds):
         trace = read_trace(trace_csv, seed) if trace_csv else synthetic_trace(sim, seed)
-        print(f"  {sim.n_stages} stages: seed {seed + 1}/{seeds}", file=sys.stderr)
+        if bar is None:
+            print(f"  {sim.n_stages} stages: seed {seed + 1}/{seeds}", file=sys.stderr)
         for name, policy in runs:
+            if bar is not None:
+                bar.set_postfix_str(f"seed {seed + 1}/{seeds}, {name}")
             res = simulate(trace, sim, policy)
+            if bar is not None:
+                bar.update()
             for w, (lo, hi) in windows.items():
                 pct[name][w].append(_pct(res, lo, hi))
             moves[name].append(res.moves)
             series[name] = [s + a / BIN_S / seeds for s, a in zip(series[name], res.achieved, strict=True)]
         series["optimal"] = [s + o / BIN_S / seeds for s, o in zip(series["optimal"], res.optimal, strict=True)]
+    if bar is not None:
+        bar.close()
     table = {
         name: {
             **{w: statistics.fmean(v) for w, v in pct[name].items()},
