@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dht.reaper import ensure_reaper
+
 
 def processes_with_marker(marker: str) -> list[tuple[int, str]]:
     found = []
@@ -51,6 +53,13 @@ def scrape(port: int) -> dict[str, list]:
     with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _watcher():
+    """The DHT watcher of this process (dht/reaper.py) lives as long as pytest: start it before a test puts its marker
+    in the environment, which the watcher would inherit and then outlive the test with."""
+    ensure_reaper()
 
 
 @pytest.fixture

@@ -52,7 +52,8 @@ def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
     assert summary["final_loss"] <= 0.6 * summary["initial_loss"]
     assert summary["lost_microbatches"] == 0
     assert summary["fp32_bytes"] / summary["wire_bytes"] >= 3.5
-    assert not processes_with_marker(marker)
+    # the launcher has exited; the DHT watchers (dht/reaper.py) notice within a scan and exit
+    wait_for(lambda: not processes_with_marker(marker), 10, "every process swarm-local started to exit")
 
 
 def longest_stall(swarm: LocalSwarm, seconds: float) -> tuple[float, int]:

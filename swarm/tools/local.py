@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -48,12 +47,22 @@ from swarm.config import PRESETS
 from swarm.rebalance import RebalanceConfig
 from trainer.config import TrainerConfig
 
-PR_SET_PDEATHSIG = 1
+# A child gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG = 1, kept across exec). A small Python program sets it
+# in the child and execs the command; this used to run as Popen's preexec_fn, between fork and exec, where a launcher
+# with threads (hivemind's, gRPC's) can leave a lock held that the child then waits for forever: seen in CI, a server
+# that never started and wrote no log line.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('swarm-local: the launcher exited before this process started')\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """The command line that runs `python argv...` and ends it with SIGTERM when this process (thread) exits."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def averaging_flag(name: str):
@@ -222,12 +231,11 @@ class LocalSwarm:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
+                dying_with_parent(["-m", module, *args]),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self.children[name] = child = Child(name, proc, log_path)
@@ -401,12 +409,11 @@ def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> s
         print(f"sampling {cfg.sample_bytes} bytes after {gen.prompt!r} from the swarm (see {log_path})...", flush=True)
         with open(out_path, "wb") as out, open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "swarm.tools.generate", *to_argv(gen), *swarm.model_args],
+                dying_with_parent(["-m", "swarm.tools.generate", *to_argv(gen), *swarm.model_args]),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
     except (OSError, ValueError) as e:
         print(f"swarm-local: warning: no sample: could not start swarm-generate: {e}", flush=True)
