@@ -119,10 +119,16 @@ class SwarmDHT:
     async def discover(self, stage: int, include_pending: bool = False) -> list[PeerEntry]:
         """Live, valid, online servers of `stage`; malformed or foreign records are skipped. Servers still downloading
         the stage's state (`ready=False`) only with `include_pending`: the rebalancer counts them, nobody calls them."""
+        return await self.lookup(stage, include_pending) or []
+
+    async def lookup(self, stage: int, include_pending: bool = False) -> list[PeerEntry] | None:
+        """`discover`, or None if the DHT returned nothing for the stage: no server ever announced it, or no node
+        holding its records answered in time (seen while a peer's DHT node was frozen). A reader that knows the
+        stage's servers should keep them, until their records' own expirations, rather than take this for empty."""
         future = self.dht.get(stage_key(self.swarm_name, stage), latest=True, return_future=True)
         found = await asyncio.wait_for(future, self.timeout)
         if found is None or not isinstance(found.value, dict):
-            return []
+            return None
         now, entries = get_dht_time(), []
         for subkey, item in found.value.items():
             owner = owner_of(subkey)

@@ -235,10 +235,12 @@ class Trainer:
         while True:
             # all stages at once: a DHT node that stopped answering (a frozen peer's) makes each lookup wait for it,
             # and one at a time those waits added up until healthy stages' records expired in our view
-            found = await asyncio.gather(*map(self.sdht.discover, range(self.n_stages)), return_exceptions=True)
+            found = await asyncio.gather(*map(self.sdht.lookup, range(self.n_stages)), return_exceptions=True)
             for stage, entries in enumerate(found):
                 if isinstance(entries, BaseException):
                     logger.warning("discovery of stage %d failed: %r", stage, entries)
+                    continue
+                if entries is None:  # nothing came back: keep the peers we know until their records expire
                     continue
                 self.records[stage] = {e.peer_id: e.record for e in entries}
                 self.routers[stage].update_peers({e.peer_id: e.expiration for e in entries})
