@@ -35,11 +35,15 @@ class ListingDHT:
 @pytest.mark.timeout(30)
 async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_speaks():
     """The DHT keeps listing a frozen peer until its record expires; a DHT read must not bring it back into the group
-    (a round would wait for it again), but a message from it must."""
+    (a round would wait for it again), but a message from it must. A peer never heard from is not held out."""
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: the Progress fails at once (UNAVAILABLE)
     peers = StagePeers(ListingDHT({"frozen": dead}), stage=1, peer_timeout=1.0)
     await peers.refresh()
     assert peers.peers == {"frozen": dead}
+    await peers._send("frozen", dead, pb.StageProgress())
+    assert peers.held == {}, "a peer never heard from may still be starting: the next DHT read brings it back"
+    await peers.refresh()
+    peers.record(pb.StageProgress(peer_id="frozen", epoch=0, samples=4))  # it spoke once, then froze
     await peers._send("frozen", dead, pb.StageProgress())
     assert peers.peers == {} and peers.held == {"frozen": dead}
     await peers.refresh()

@@ -99,6 +99,7 @@ class StageCollaboration:
         self._lookup_task: asyncio.Future | None = None
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
+        self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
@@ -270,6 +271,7 @@ class StageCollaboration:
         """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
         monotonic time) for a global batch with room (server/collab/admission.py). Returns (the global batch it joins,
         our epoch now). Raises AdmissionRefused when the microbatch belongs on another peer of stage 0."""
+        await self._read_peers_before_first_admission()
         while True:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
@@ -296,6 +298,19 @@ class StageCollaboration:
         if self.peers.peers:  # the other peers of stage 0 count our admissions
             self._spawn(self._broadcast(end_epoch=False))
         return placed, epoch
+
+    async def _read_peers_before_first_admission(self) -> None:
+        """Peers of stage 0 that start together read the DHT before the others are listed: each would take a whole
+        global batch. A trainer calls us only once it has found us, and by then it usually finds them too: one read of
+        the stage now, before the first admission, lets us see them as well."""
+        if self._first_admission is None:
+            self._first_admission = asyncio.ensure_future(self.peers.refresh())
+        try:
+            await asyncio.shield(self._first_admission)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the regular reads go on; a failed one must not refuse the microbatch
+            logger.debug("stage 0: DHT read before the first admission failed: %r", e)
 
     def release(self, batch: int, n: int) -> None:
         """Event loop: a microbatch admitted into `batch` failed before it was computed; it will not come back."""

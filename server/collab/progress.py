@@ -141,7 +141,9 @@ class StagePeers:
                 logger.debug("stage peer %s does not list us yet", address)
                 return
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
-            if self.peers.pop(peer_id, None) is not None:
+            # only a peer we have heard from is held out: one that is starting may not serve gRPC yet, and leaving it
+            # out of the group for long would let each stage-0 peer admit a whole global batch of its own
+            if self.peers.pop(peer_id, None) is not None and peer_id in self._first_epoch:
                 self._unreachable[peer_id] = time.monotonic()
                 self.held[peer_id] = address
             self.view.pop(peer_id, None)
