@@ -92,3 +92,17 @@ def test_a_released_admission_makes_room_again():
     admit_all(admission, 0, 8)
     admission.release(0, 8)  # e.g. the request expired in the queue before it was computed
     assert admission.place(0, 8) == 0
+
+
+def test_a_peer_that_joins_after_another_admitted_alone_takes_only_what_is_left():
+    """A peer of stage 0 that admitted before any other was listed holds more than its share: a peer that joins then
+    and hears its count admits only what the batch has left, not a share of its own (the batch would overfill and
+    its last microbatches run after it stepped)."""
+    first = stage0_peer("p0", quota=16)
+    assert admit_all(first, 0, 4) == [0, 0, 0, 0, Decision.WAIT]
+    joiner = stage0_peer("p1", "p0", quota=16)
+    report(joiner, "p0", 0, admitted=16)
+    assert admit_all(joiner, 0, 4) == [Decision.WAIT]
+    late = stage0_peer("p1", "p0", quota=16)
+    report(late, "p0", 0, admitted=12)  # the first had admitted three microbatches alone
+    assert admit_all(late, 0, 4) == [0, Decision.WAIT]

@@ -2,7 +2,8 @@
 
 Stage 0 admits `quota` (--samples-per-step) samples per epoch, plus at most `lookahead` samples of the next epoch,
 and holds further Forwards until the epoch has stepped. Its peers split that quota without waiting for each other:
-- each admits microbatches while its own total stays within an equal share;
+- each admits microbatches while its own total stays within an equal share, and the batch's total, as far as it
+  knows, within the quota (a peer that admitted alone before the others were listed may hold more than its share);
 - one of them, the smallest peer id among those admitting (the remainder's holder), also takes what the shares leave
   (they rarely divide into whole microbatches), as long as the batch is not complete counting every other peer at its
   share, or at what it admitted if that is more or if no further microbatch fits in its share;
@@ -66,13 +67,14 @@ class Admission:
 
     def _has_room(self, epoch: int, limit: int, n: int) -> bool:
         claimants = self.peers.admitting(epoch)
+        fits = self.total(epoch) + n <= limit
         # what peers that no longer admit did admit stays counted; the rest is split
         limit -= sum(self.peers.admitted_by(p, epoch) for p in self.peers.peers if p not in claimants)
         if limit <= 0:
             return False
         share = limit / (1 + len(claimants))
         own = self.admitted.get(epoch, 0)
-        if own + n <= share:
+        if own + n <= share and fits:
             return True
         if min([*claimants, self.peers.sdht.peer_id]) != self.peers.sdht.peer_id:
             return False  # the remainder is another peer's

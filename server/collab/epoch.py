@@ -52,6 +52,7 @@ class ProgressRefused(Exception):
     implausible. The sender gets PERMISSION_DENIED."""
 
 
+FIRST_ADMISSION_WAIT_S = 2.0  # stage 0: how long a starting peer waits for its stage peers' counts before admitting
 ADMISSION_REPLY_MARGIN_S = 1.5  # a Forward held for the next global batch is refused this long before its deadline
 
 
@@ -220,10 +221,13 @@ class StageCollaboration:
         reason = reason or self.peers.unlisted(msg)
         if reason is not None:
             raise ProgressRefused(reason)
+        first = not self.peers.heard_from(msg.peer_id)
         most = self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
         if max(msg.samples, msg.admitted, msg.admitted_next) > most:
             raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
         self.peers.record(msg)
+        if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
+            self._spawn(self._broadcast(end_epoch=False))
         logger.debug(
             "progress from %s: epoch %d, %d samples%s (we are at %d, %s)",
             msg.peer_id[-6:],
@@ -300,17 +304,32 @@ class StageCollaboration:
         return placed, epoch
 
     async def _read_peers_before_first_admission(self) -> None:
-        """Peers of stage 0 that start together read the DHT before the others are listed: each would take a whole
-        global batch. A trainer calls us only once it has found us, and by then it usually finds them too: one read of
-        the stage now, before the first admission, lets us see them as well."""
+        """Before our first admission, learn what the other peers of stage 0 admitted: a peer that started alone, or
+        before us, may hold more than its share of the open batch. Peers that start together read the DHT before the
+        others are listed, so read it again now (a trainer calls us only once it has found us, and by then it
+        usually finds them too), tell them our count, and wait (up to FIRST_ADMISSION_WAIT_S) until each has told us
+        theirs: a peer answers a stage peer's first message with its own (on_progress)."""
         if self._first_admission is None:
-            self._first_admission = asyncio.ensure_future(self.peers.refresh())
+            self._first_admission = asyncio.ensure_future(self._meet_stage_peers())
         try:
             await asyncio.shield(self._first_admission)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the regular reads go on; a failed one must not refuse the microbatch
-            logger.debug("stage 0: DHT read before the first admission failed: %r", e)
+            logger.debug("stage 0: meeting the stage's peers before the first admission failed: %r", e)
+
+    async def _meet_stage_peers(self) -> None:
+        await self.peers.refresh()
+        if not self.peers.peers:
+            return
+        await self._broadcast(end_epoch=False)
+        give_up = time.monotonic() + FIRST_ADMISSION_WAIT_S
+        while not all(map(self.peers.heard_from, self.peers.peers)) and time.monotonic() < give_up:
+            self._admission.clear()
+            try:
+                await asyncio.wait_for(self._admission.wait(), give_up - time.monotonic())
+            except TimeoutError:
+                pass
 
     def release(self, batch: int, n: int) -> None:
         """Event loop: a microbatch admitted into `batch` failed before it was computed; it will not come back."""

@@ -73,6 +73,9 @@ class StagePeers:
             return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
         return None
 
+    def heard_from(self, peer_id: str) -> bool:
+        return peer_id in self._first_epoch
+
     def record(self, msg: pb.StageProgress) -> None:
         """A stage peer's count (passed `check`). Messages can arrive out of order (each is its own RPC): a peer's
         progress only moves forward."""
@@ -143,7 +146,7 @@ class StagePeers:
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
             # only a peer we have heard from is held out: one that is starting may not serve gRPC yet, and leaving it
             # out of the group for long would let each stage-0 peer admit a whole global batch of its own
-            if self.peers.pop(peer_id, None) is not None and peer_id in self._first_epoch:
+            if self.peers.pop(peer_id, None) is not None and self.heard_from(peer_id):
                 self._unreachable[peer_id] = time.monotonic()
                 self.held[peer_id] = address
             self.view.pop(peer_id, None)
