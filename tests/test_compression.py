@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.compression import CODECS, get_codec
+from swarm.compression import CODECS, Blockwise8Codec, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION
@@ -43,6 +43,51 @@ def test_codec_roundtrip_error_bound(name, dtype):
     y = decode_tensor(enc, torch.device("cpu"))
     assert y.dtype == x.dtype and y.shape == x.shape
     assert rel_rms(y, x) <= RMS_BOUNDS[name] + (4e-3 if dtype == torch.bfloat16 and name != "none" else 0)
+
+
+@pytest.mark.parametrize("n", [1, 100, 4096, 4097, 3 * 4096 + 5, (1 << 20) + 7])
+def test_blockwise8_cpu_encoder_writes_bitsandbytes_format(n):
+    """The torch CPU encoder writes what bitsandbytes' decoder reads, with bitsandbytes' own encoder's error: per value
+    within the map's gap around it plus one grid step, per tensor within 1% of its RMS error."""
+    import bitsandbytes.functional as bnbf
+
+    from swarm.compression.blockwise import GRID_HALF, _dynamic_map
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[:: max(n // 20, 1)] *= 50  # heavy tails: outliers set most blocks' scale
+    x[: min(n, 300)] *= 1e-6  # tiny values, where the map is finer than the grid
+    ours, theirs = Blockwise8Codec(), Blockwise8Codec(cpu_encoder="bitsandbytes")
+    (p1, payload), (p2, reference) = ours.encode(x), theirs.encode(x)
+    assert p1 == p2 and len(payload) == len(reference) == ours.encoded_bytes(n, torch.float32)
+    assert payload[n:] == reference[n:], "block scales differ"
+    codes = torch.frombuffer(bytearray(payload), dtype=torch.uint8, count=n)
+    ref_codes = torch.frombuffer(bytearray(reference), dtype=torch.uint8, count=n)
+    absmax = torch.frombuffer(bytearray(payload[n:]), dtype=torch.float32).repeat_interleave(4096)[:n]
+    coarse = x.abs() > absmax * 1e-3  # where the grid is finer than the map, the nearest code is mostly the same
+    assert (codes == ref_codes)[coarse].float().mean() > 0.95
+    code = _dynamic_map(torch.device("cpu"))
+    y = bnbf.dequantize_blockwise(codes, absmax=absmax[::4096].contiguous(), code=code, blocksize=4096)
+    y_ref = bnbf.dequantize_blockwise(ref_codes, absmax=absmax[::4096].contiguous(), code=code, blocksize=4096)
+    widest_gap = (code[1:] - code[:-1]).max()
+    assert ((y - x).abs() <= absmax * (widest_gap / 2 + 1 / GRID_HALF)).all()
+    assert rel_rms(y, x) <= rel_rms(y_ref, x) * 1.01 + 1e-7
+
+
+def test_blockwise8_cpu_encoder_zero_and_non_finite_blocks():
+    """A block of zeros decodes to zeros (its scale is 0, not a division by it); a tensor with NaN or inf goes to
+    bitsandbytes' encoder, as before the torch one existed (the decoder refuses an infinite scale; senders check their
+    values before they encode: service.py, check_values)."""
+    codec = get_codec("blockwise8")
+    x = torch.cat([torch.zeros(5000), torch.randn(3000)])
+    y = decode_tensor(encode_tensor("inputs", x, codec), torch.device("cpu"))
+    assert (y[:4096] == 0).all() and rel_rms(y, x) <= RMS_BOUNDS["blockwise8"]
+    for bad in (float("nan"), float("inf")):
+        x[7000] = bad
+        _, payload = codec.encode(x)
+        _, reference = Blockwise8Codec(cpu_encoder="bitsandbytes").encode(x)
+        assert bytes(payload) == bytes(reference)
+    with pytest.raises(WireError, match="non-finite block scale"):
+        decode_tensor(encode_tensor("inputs", x, codec), torch.device("cpu"))
 
 
 def test_blockwise8_is_four_times_smaller():
@@ -134,3 +179,44 @@ def test_generated_code_matches_proto(tmp_path):
         assert (
             generated == (root / "swarm" / "protocol" / name).read_text()
         ), f"regenerate swarm/protocol/{name} (see wire.proto)"
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_encoded_values_are_checked_with_or_without_decoding(name):
+    """check_encoded refuses what check_values refuses on the decoded tensor: 8-bit from its block scales alone (a
+    forged scale, negative or not, bounds its block), the others by decoding."""
+    from swarm.protocol.tensors import check_encoded, decode_checked
+
+    x = torch.randn(3, 5000)
+    enc = encode_tensor("outputs", x, get_codec(name))
+    decoded = check_encoded(enc, "outputs", bound=100.0)
+    assert (decoded is None) == (name == "blockwise8")
+    assert torch.equal(
+        decode_checked(enc, torch.device("cpu"), "outputs", 100.0), decode_tensor(enc, torch.device("cpu"))
+    )
+    with pytest.raises(WireError, match="outside"):
+        check_encoded(enc, "outputs", bound=0.5)
+    payload = bytearray(enc.payload)
+    if name == "blockwise8":
+        n = x.numel()
+        for forged in (-1e6, 1e6, float("inf"), float("nan")):
+            payload[n + 4 : n + 8] = torch.tensor([forged]).numpy().tobytes()  # the second block's scale
+            with pytest.raises(WireError, match="outside|non-finite"):
+                check_encoded(EncodedTensor(enc.header, payload), "outputs", bound=100.0)
+        with pytest.raises(WireError, match="payload is"):
+            check_encoded(EncodedTensor(enc.header, payload[:-1]), "outputs", bound=100.0)
+    else:
+        bad = torch.tensor([float("nan")], dtype=torch.float16 if name == "fp16" else torch.float32)
+        payload[: bad.element_size()] = bad.view(torch.uint8).numpy().tobytes()
+        with pytest.raises(WireError, match="NaN"):
+            check_encoded(EncodedTensor(enc.header, payload), "outputs", bound=100.0)
+
+
+def test_a_relayed_tensor_is_the_same_bytes_under_a_new_name():
+    from swarm.protocol.tensors import relayed
+
+    enc = encode_tensor("outputs", torch.randn(4, 8), get_codec("blockwise8"))
+    out = relayed(enc, "inputs")
+    assert out.header.name == "inputs" and enc.header.name == "outputs"
+    assert out.payload is enc.payload and out.shape == (4, 8)
+    assert torch.equal(decode_tensor(out, torch.device("cpu")), decode_tensor(enc, torch.device("cpu")))

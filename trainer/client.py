@@ -14,7 +14,16 @@ from swarm.compression import WIRE_TO_DTYPE, CompressionPolicy, TensorRole, role
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
-from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_tensor, encode_tensor
+from swarm.protocol.tensors import (
+    FP16_MAX,
+    EncodedTensor,
+    WireError,
+    WireStats,
+    check_encoded,
+    decode_tensor,
+    encode_tensor,
+    relayed,
+)
 
 
 @dataclass(frozen=True)
@@ -28,10 +37,15 @@ class Admission:
 
 @dataclass
 class StageReply:
-    tensor: torch.Tensor | None  # outputs (Forward) or grad_inputs (Backward; None from stage 0)
+    encoded: EncodedTensor | None  # outputs (Forward) or grad_inputs (Backward; None from stage 0), as they came
     loss: float | None
     param_version: int
     admission: Admission | None = None  # stage 0's Forward reply
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The reply's tensor decoded (the trainer itself sends the encoded bytes on instead: `StageClient.call`)."""
+        return None if self.encoded is None else decode_tensor(self.encoded, torch.device("cpu"))
 
 
 REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATION_GRADIENTS}
@@ -63,7 +77,7 @@ class StageClient:
         method: str,
         stage: int,
         microbatch_id: str,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | EncodedTensor],
         expect_shape: tuple[int, ...] | None,
         timeout: float,
         forward_version: int | None = None,
@@ -71,14 +85,23 @@ class StageClient:
         admission: Admission | None = None,
     ) -> StageReply:
         """`method` is "Forward" or "Backward"; a Backward names the `forward_version` that served its Forward (the
-        server recomputes the forward at it). `inference`: a Forward no Backward follows (evaluation). Raises grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
+        server recomputes the forward at it). `inference`: a Forward no Backward follows (evaluation). Tensors that
+        are an earlier reply's `encoded` go on as they came, under their new name: a hidden state or gradient between
+        two stages is quantized once, by the stage that computed it, and the trainer never decodes it. Raises
+        grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
-        roles = {name: role_of(name, t.dtype) for name, t in tensors.items()}
-        encoded = await loop.run_in_executor(
-            self.pool, lambda: [encode_tensor(k, v, self.policy.codec(roles[k])) for k, v in tensors.items()]
-        )
-        for enc in encoded:
-            self.stats.add(roles[enc.header.name], enc)
+
+        def encode(name: str, t: torch.Tensor | EncodedTensor) -> EncodedTensor:
+            if isinstance(t, EncodedTensor):
+                return relayed(t, name)
+            return encode_tensor(name, t, self.policy.codec(role_of(name, t.dtype)))
+
+        if all(isinstance(t, EncodedTensor) for t in tensors.values()):
+            encoded = [encode(k, v) for k, v in tensors.items()]
+        else:
+            encoded = await loop.run_in_executor(self.pool, lambda: [encode(k, v) for k, v in tensors.items()])
+        for sent in encoded:
+            self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
         reply_codec = self.policy.codec(REPLY_ROLE[method]).wire
         meta = pb.CallMeta(
             protocol_version=PROTOCOL_VERSION,
@@ -93,23 +116,25 @@ class StageClient:
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
-        tensor = None
+        enc: EncodedTensor | None = None
         if expect_shape is not None and not reply.tensors:
             raise WireError(f"stage {stage} replied without a tensor")
         if reply.tensors:
             (enc,) = reply.tensors.values()
             self.stats.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
-            tensor = await loop.run_in_executor(self.pool, decode_tensor, enc, torch.device("cpu"))
-            if expect_shape is not None and tuple(tensor.shape) != expect_shape:
-                raise WireError(f"stage {stage} replied with shape {list(tensor.shape)}, expected {list(expect_shape)}")
-            check_values(tensor, f"stage {stage}'s reply", self.max_activation)
+            shape, dtype = tuple(enc.header.shape), WIRE_TO_DTYPE[enc.header.dtype]
+            if expect_shape is not None and shape != expect_shape:
+                raise WireError(f"stage {stage} replied with shape {list(shape)}, expected {list(expect_shape)}")
+            if not dtype.is_floating_point:
+                raise WireError(f"stage {stage} replied with {dtype}, not floating-point values")
+            await loop.run_in_executor(self.pool, check_encoded, enc, f"stage {stage}'s reply", self.max_activation)
         loss = reply.meta.loss if reply.meta.has_loss else None
         if loss is not None and not 0 <= loss < math.inf:
             raise WireError(f"stage {stage} replied with loss {loss}")
         admitted = None
         if reply.meta.HasField("global_batch") and reply.meta.HasField("admitted_at"):
             admitted = Admission(reply.meta.global_batch, reply.meta.admitted_at)
-        return StageReply(tensor=tensor, loss=loss, param_version=reply.meta.param_version, admission=admitted)
+        return StageReply(encoded=enc, loss=loss, param_version=reply.meta.param_version, admission=admitted)
 
     async def close(self) -> None:
         for channel in self.channels.values():

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.protocol.tensors import EncodedTensor
 from trainer.client import Admission, StageReply
 
 # (stage, "Forward" | "Backward", tensors by name, expected shape of the reply's tensor or None, the param_version that
 # served the stage's Forward of this microbatch (Backward only, else None), where stage 0 admitted the microbatch
 # (None before it has)) -> reply
 StageCall = Callable[
-    [int, str, dict[str, torch.Tensor], tuple[int, ...] | None, int | None, Admission | None], Awaitable[StageReply]
+    [int, str, dict[str, torch.Tensor | EncodedTensor], tuple[int, ...] | None, int | None, Admission | None],
+    Awaitable[StageReply],
 ]
 
 
@@ -33,7 +35,9 @@ async def train_microbatch(
     """Forward and backward through every stage: each accumulates this microbatch's gradients."""
     B, T = tokens.shape
     hidden_BTD = (B, T, d_model)
-    acts, versions = [tokens], []  # inputs of each stage (token ids, then hidden states); Forward's param versions
+    # inputs of each stage (token ids, then hidden states as the previous stage encoded them); Forward's param versions
+    acts: list[torch.Tensor | EncodedTensor] = [tokens]
+    versions: list[int] = []
     admission = None  # stage 0's Forward reply says which global batch the microbatch joins
     for s in range(n_stages - 1):
         reply = await call(s, "Forward", {"inputs": acts[-1]}, hidden_BTD, None, admission)
@@ -55,7 +59,8 @@ async def train_microbatch(
     return MicrobatchResult(loss, versions, admission)
 
 
-def _tensor(reply: StageReply) -> torch.Tensor:
-    if reply.tensor is None:  # the client checks replies against the expected shape: a tensor is there
+def _tensor(reply: StageReply) -> EncodedTensor:
+    """The reply's tensor as it came: the next call sends these bytes on (StageClient.call)."""
+    if reply.encoded is None:  # the client checks replies against the expected shape: a tensor is there
         raise AssertionError("a stage reply without the tensor the schedule expects")
-    return reply.tensor
+    return reply.encoded

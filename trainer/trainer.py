@@ -27,7 +27,7 @@ from dht.records import ServerRecord
 from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
-from swarm.protocol.tensors import WireError, WireStats
+from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.deadlines import CallDeadlines
@@ -153,7 +153,7 @@ class Trainer:
         stage: int,
         method: str,
         mb_id: str,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | EncodedTensor],
         expect_shape: tuple[int, ...] | None,
         forward_version: int | None = None,
         admission: Admission | None = None,

@@ -77,6 +77,12 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """Inverse of encode; raises CodecError if the parameters or the payload size disagree with the header."""
 
+    def value_bound(self, header: pb.TensorHeader, payload: bytes | bytearray) -> float | None:
+        """An upper bound on the magnitude of every value `decode` returns, read without decoding (after the checks
+        `decode` makes of the parameters and the payload's size; raises CodecError like it). None where only
+        decoding can tell (NaN and inf included)."""
+        return None
+
     @abstractmethod
     def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """Payload bytes of a tensor of `numel` values of `dtype`: for byte accounting without encoding."""

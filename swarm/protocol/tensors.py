@@ -12,6 +12,7 @@ import torch
 from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, CodecError, NoneCodec
 from swarm.protocol import wire_pb2 as pb
 
+CPU = torch.device("cpu")
 FP16_MAX = 65504.0  # the default bound on activations and their gradients: what fp16 can carry
 
 
@@ -35,6 +36,10 @@ def check_values(x: torch.Tensor, name: str, bound: float) -> None:
 class EncodedTensor:
     header: pb.TensorHeader
     payload: bytes | bytearray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.header.shape)
 
     @property
     def wire_bytes(self) -> int:
@@ -63,6 +68,39 @@ def decode_tensor(enc: EncodedTensor, device: torch.device, ctx: CodecContext | 
         return CODECS_BY_WIRE[enc.header.codec].decode(enc.header, enc.payload, device, ctx)
     except CodecError as e:
         raise WireError(str(e)) from e
+
+
+def check_encoded(enc: EncodedTensor, name: str, bound: float, device: torch.device = CPU) -> torch.Tensor | None:
+    """Raises WireError unless every value `enc` decodes to is finite and within [-bound, bound] (check_values), and
+    its payload is well formed. Decodes only where the codec cannot bound the values from the payload (8-bit can:
+    no value exceeds its block's scale), and then returns the decoded tensor; otherwise None."""
+    codec = CODECS_BY_WIRE[enc.header.codec]
+    try:
+        known = codec.value_bound(enc.header, enc.payload)
+        if known is None:
+            decoded = codec.decode(enc.header, enc.payload, device)
+            check_values(decoded, name, bound)
+            return decoded
+    except CodecError as e:
+        raise WireError(str(e)) from e
+    if not known <= bound:
+        raise WireError(f"{name} has values outside [-{bound:g}, {bound:g}] (block scale up to {known:.3g})")
+    return None
+
+
+def decode_checked(enc: EncodedTensor, device: torch.device, name: str, bound: float) -> torch.Tensor:
+    """decode_tensor, with its values checked as check_values does, in one pass over the data at most."""
+    decoded = check_encoded(enc, name, bound, device)
+    return decoded if decoded is not None else decode_tensor(enc, device)
+
+
+def relayed(enc: EncodedTensor, name: str) -> EncodedTensor:
+    """The same bytes under another tensor name (a reply's outputs become the next call's inputs): sent on as they came,
+    never decoded and quantized again."""
+    header = pb.TensorHeader()
+    header.CopyFrom(enc.header)
+    header.name = name
+    return EncodedTensor(header, enc.payload)
 
 
 class WireStats:

@@ -41,6 +41,8 @@ from tests.stages import random_batch
 
 TARGET = 0.80
 CODECS = ("none", "blockwise8")
+CODECS_8BIT = ("blockwise8", "none")  # numerator, denominator
+TARGET_8BIT_VS_NONE = 0.95
 
 
 def best_case(cfg: ModelConfig, device: torch.device, batch_size: int, samples_per_step: int):
@@ -241,6 +243,16 @@ def main(argv: list[str] | None = None) -> dict:
         ["wall: swarm/best", "CPU: swarm/best 1 thread", "blocks", "variant", "samples/s", "samples/CPU-s"],
         rows,
     )
+    for layout, res in results.items():  # issue 15's target: 8-bit costs the swarm at most 5% of its throughput
+        ratios = {
+            unit: common.summary(common.per_round_ratio(*([x[unit] for x in res[f"swarm, {c}"]] for c in CODECS_8BIT)))
+            for unit in ("wall", "cpu")
+        }
+        report[layout]["blockwise8_vs_none"] = ratios
+        print(
+            f"{layout}: 8-bit swarm / codec-none swarm: samples/s {common.fmt(ratios['wall'])}, samples per CPU-second "
+            f"{common.fmt(ratios['cpu'])}; target >= {TARGET_8BIT_VS_NONE}"
+        )
     effs = [report[k][f"efficiency_{c}"]["median"] for k in layouts for c in CODECS]
     effs_cpu = [report[k][f"cpu_efficiency_{c}"]["median"] for k in layouts for c in CODECS]
     print(

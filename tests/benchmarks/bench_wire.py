@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from swarm.compression import CODECS, CompressionPolicy, get_codec
+from swarm.compression import CODECS, Blockwise8Codec, Codec, CompressionPolicy
 from swarm.config import PRESETS, ModelConfig, model_config
 from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
@@ -91,6 +91,17 @@ async def bytes_per_microbatch(cfg: ModelConfig, device: torch.device, batch_siz
 
 
 # ---------------------------------------------------------------------------------------------------- codec speed
+BNB_ENCODER = "blockwise8 (bitsandbytes' CPU encoder)"
+
+
+def codec_variants(device: torch.device) -> dict[str, Codec]:
+    """Every codec, and on the CPU the 8-bit codec as it was before its torch encoder: the two side by side."""
+    variants: dict[str, Codec] = dict(CODECS)
+    if device.type == "cpu":
+        variants[BNB_ENCODER] = Blockwise8Codec(cpu_encoder="bitsandbytes")
+    return variants
+
+
 def codec_speed(device: torch.device, repeats: int) -> dict:
     x = torch.randn(ACTIVATION_SHAPE, device=device)
     nbytes = x.numel() * 4
@@ -104,8 +115,7 @@ def codec_speed(device: torch.device, repeats: int) -> dict:
         synchronize(device)
         return time.perf_counter() - start
 
-    def round_trip(codec_name: str):
-        codec = get_codec(codec_name)
+    def round_trip(codec_name: str, codec: Codec):
         parts[codec_name] = {"encode": [], "decode": []}
 
         def run() -> float:
@@ -121,7 +131,7 @@ def codec_speed(device: torch.device, repeats: int) -> dict:
 
         return run
 
-    fns = {"copy": copy, **{name: round_trip(name) for name in CODECS}}
+    fns = {"copy": copy, **{name: round_trip(name, codec) for name, codec in codec_variants(device).items()}}
     times = common.interleaved(fns, repeats, warmup=2)
     for p in parts.values():  # drop the warm-up entries
         for k in p:
@@ -161,8 +171,8 @@ def codec_fraction(cfg: ModelConfig, device: torch.device, batch_size: int, repe
         return time.perf_counter() - t0
 
     fns = {"compute": compute}
-    for name in CODECS:
-        codec = get_codec(name)
+    variants = codec_variants(device)
+    for name, codec in variants.items():
 
         def codec_work(codec=codec) -> float:
             t0 = time.perf_counter()
@@ -184,7 +194,7 @@ def codec_fraction(cfg: ModelConfig, device: torch.device, batch_size: int, repe
                 "seconds": common.summary(times[name]),
                 "fraction_of_compute": common.summary(common.per_round_ratio(times[name], times["compute"])),
             }
-            for name in CODECS
+            for name in variants
         },
     }
 
