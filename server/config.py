@@ -206,6 +206,13 @@ class AveragingConfig:
         },
     )
     matchmaking_time: float = field(default=1.0, metadata={"help": "seconds peers gather before an all-reduce"})
+    early_rounds: bool = field(
+        default=True,
+        metadata={
+            "help": "begin a gradient all-reduce as soon as every peer the stage knows of has gathered, instead of "
+            "after --matchmaking-time (--no-early-rounds: always wait it out)"
+        },
+    )
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
 
     def __post_init__(self) -> None:

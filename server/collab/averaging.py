@@ -109,6 +109,7 @@ class GradientAveraging:
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
         nobody_left: Callable[[], bool] = lambda: False,
+        group_size: int | None = None,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
         every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
@@ -116,7 +117,9 @@ class GradientAveraging:
         stage stopped answering: dead or frozen), the round fails at once instead of waiting out its timeout for
         them, which would hold the compute thread and the trainers' calls. `round_tag` (the epoch) travels with our
         part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
-        for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them."""
+        for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them.
+        `group_size`: the peers in the round as the stage knows them, us included; the round begins once that many
+        have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs)."""
 
         def fill(buffers: list[torch.Tensor]) -> None:
             for buf, g in zip(buffers, grads, strict=True):
@@ -124,7 +127,7 @@ class GradientAveraging:
 
         numel = sum(g.numel() for g in grads)
         gather = [round_tag, PHASE_FULL, self.cfg.scheme]
-        waits = (finished_without_us, retry_grace, nobody_left)
+        waits = (finished_without_us, retry_grace, nobody_left, group_size)
         if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
             return None
         with self.averager.get_tensors() as buffers:
@@ -141,6 +144,7 @@ class GradientAveraging:
         finished_without_us: Callable[[], bool],
         retry_grace: float,
         nobody_left: Callable[[], bool],
+        group_size: int | None = None,
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
@@ -151,6 +155,7 @@ class GradientAveraging:
         def give_up() -> bool:
             return time.monotonic() - started >= self.cfg.averaging_timeout or finished_without_us() or nobody_left()
 
+        self.averager.expect_group(group_size if self.cfg.early_rounds else None)
         while result is None and not give_up():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
@@ -228,8 +233,9 @@ class LowRankGradientAveraging(GradientAveraging):
         finished_without_us: Callable[[], bool] = lambda: False,
         retry_grace: float = 0.0,
         nobody_left: Callable[[], bool] = lambda: False,
+        group_size: int | None = None,
     ) -> list[torch.Tensor] | None:
-        waits = (finished_without_us, retry_grace, nobody_left)
+        waits = (finished_without_us, retry_grace, nobody_left, group_size)
         if round_tag < self.cfg.allreduce_warmup_epochs:
             return super().average(grads, n_samples, label, round_tag, *waits)
         layout, shapes = self.acp.layout, [g.shape for g in grads]

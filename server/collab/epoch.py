@@ -468,6 +468,7 @@ class StageCollaboration:
             finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
             nobody_left=lambda: not self.peers.peers,
+            group_size=n_peers,
         )
 
     def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:

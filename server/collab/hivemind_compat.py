@@ -118,6 +118,15 @@ class StrictAverager(DecentralizedAverager):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
     values (ExactAllReduceRunner), and that can download the state of one named peer."""
 
+    def expect_group(self, size: int | None) -> None:
+        """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
+        waiting for their scheduled time (hivemind's `target_group_size`, set per round: the stage knows who is in
+        it). None: at the scheduled time. Travels down the pipe `step` uses, so it reaches the process first."""
+        self._outer_pipe.send(("_expect_group", [size], {}))
+
+    async def _expect_group(self, size: int | None) -> None:
+        self._matchmaking.target_group_size = size
+
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averager's process: the tensors a round averages, given what this peer gathered for it (all of the
         averaged tensors here; a subclass may pick others, allocated in shared memory before the process forked)."""

@@ -1,0 +1,113 @@
+"""Stage averaging's cost: a local swarm's samples/s with 2 servers per stage (gradient all-reduce every epoch) against
+1 server per stage (no all-reduce), and all-reduce rounds that begin once the stage's known peers have gathered
+(`--early-rounds`, the default) against rounds that wait out `--matchmaking-time` (`--no-early-rounds`).
+
+Each variant is a fresh set of servers under its own swarm name on one DHT node, measured by one trainer over a
+window of its own progress after a warm-up; variants run one at a time (idle servers are not free on 2 cores) and in
+rotated order per round. Ratios are taken per round against the 1-server-per-stage swarm. On a 2-core machine the 2x
+swarm has no more compute than the 1x one: the ratio is what averaging (its processes, matchmaking and the pipeline
+drain while a round runs) costs.
+
+    python -m tests.benchmarks.bench_averaging [--quick] [--stages S] [--batch-size B] [--in-flight K]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from swarm.cli import to_argv
+from tests.benchmarks import common, swarmrun
+
+TARGET = 0.90
+VARIANTS = {  # name -> (servers per stage, extra server flags)
+    "1 per stage, no all-reduce": (1, []),
+    "2 per stage, rounds wait --matchmaking-time": (2, ["--no-early-rounds"]),
+    "2 per stage, early rounds": (2, ["--early-rounds"]),
+}
+REFERENCE = "1 per stage, no all-reduce"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="local_debug", help="model preset (default: local_debug)")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight in the trainer")
+    p.add_argument("--samples-per-step", type=int, default=32)
+    p.add_argument("--window", type=float, default=None, help="seconds measured per swarm run")
+    args = p.parse_args(argv)
+    common.exit_on_sigterm()
+    repeats = args.repeats or (1 if args.quick else 3)
+    window = args.window or (15.0 if args.quick else 30.0)
+    common.log(
+        f"bench_averaging: {args.stages} stages, batch {args.batch_size}, in-flight {args.in_flight}, global batch "
+        f"{args.samples_per_step}, {repeats} round(s), window {window:.0f}s"
+    )
+    model = ["--preset", args.preset, "--n-stages", str(args.stages)]
+    results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    swarm = swarmrun.new_swarm(args.out, "averaging")
+    with swarm:
+        swarm.start_dht()
+        corpus = swarmrun.small_corpus(swarm.log_dir / "corpus.txt")
+        names = list(VARIANTS)
+        for r in range(repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                per_stage, flags = VARIANTS[name]
+                swarm_name = f"avg{r}-{names.index(name)}"
+                addresses = {}
+                for s in range(args.stages):
+                    for i in range(per_stage):
+                        port = common.free_port()
+                        server = f"server-{swarm_name}-s{s}-{i}"
+                        extra = [*model, "--samples-per-step", str(args.samples_per_step), "--lookahead-samples", "0"]
+                        swarm.start_server(server, s, swarmrun.server_args(port, swarm_name, [*extra, *flags]))
+                        addresses[server] = f"127.0.0.1:{port}"
+                swarmrun.wait_ready(swarm, addresses)
+                common.log(f"round {r + 1}: {name}")
+                config = swarmrun.trainer_config(swarm_name, args, "blockwise8", corpus)
+                run = swarmrun.measure_trainer(
+                    swarm,
+                    f"trainer-{swarm_name}",
+                    [*to_argv(config), *model],
+                    window=window,
+                    warmup_steps=2 * args.samples_per_step // args.batch_size,
+                )
+                results[name].append(run)
+                common.log(f"{name}: {run['samples_per_second']:.1f} samples/s, lost {run['lost_microbatches']}")
+                swarm.stop(list(addresses))
+
+    speeds = {name: [x["samples_per_second"] for x in runs] for name, runs in results.items()}
+    rows = []
+    report = {}
+    for name, values in speeds.items():
+        ratio = common.summary(common.per_round_ratio(values, speeds[REFERENCE]))
+        report[name] = {"samples_per_second": common.summary(values), "vs_reference": ratio, "runs": results[name]}
+        rows.append([common.fmt(ratio), name, common.fmt(common.summary(values))])
+    common.table(
+        f"stage averaging: {args.stages} stages, 1 trainer (in-flight {args.in_flight}, batch {args.batch_size}), "
+        f"global batch {args.samples_per_step}; median [min-max] of {repeats} round(s); load average now "
+        f"{os.getloadavg()[0]:.1f}",
+        ["vs 1 per stage", "variant", "samples/s"],
+        rows,
+    )
+    early = statistics.median(common.per_round_ratio(speeds["2 per stage, early rounds"], speeds[REFERENCE]))
+    print(f"with stage averaging / without: {early:.3f}; target >= {TARGET}")
+    result = {
+        "benchmark": "averaging",
+        "hardware": common.hardware(),
+        "stages": args.stages,
+        "batch_size": args.batch_size,
+        "in_flight": args.in_flight,
+        "samples_per_step": args.samples_per_step,
+        "window_s": window,
+        "repeats": repeats,
+        "results": report,
+        "target": TARGET,
+    }
+    common.write_json(args.out, "averaging", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
