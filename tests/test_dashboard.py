@@ -141,25 +141,29 @@ def test_the_dashboard_shows_every_stage_and_peer_and_the_loss_chart_grows(local
     url = (log_dir / "monitor.url").read_text()
     browser = _browser()
     try:
-        from selenium.webdriver.common.by import By
-
         browser.get(url)
 
-        def peers() -> list:
-            return browser.find_elements(By.CSS_SELECTOR, "tr.peer")
+        def stage_map() -> list:
+            """[(stage, [peer row texts])], read in one script: the page redraws the map every poll, so elements
+            found in one call can be gone by the next."""
+            return browser.execute_script(
+                "return [...document.querySelectorAll('div.stage')].map(s => [s.dataset.stage, "
+                "[...s.querySelectorAll('tr.peer')].map(r => r.innerText)])"
+            )
 
-        wait_for(lambda: len(peers()) == 4, 60, "4 peers on the page")
-        stages = browser.find_elements(By.CSS_SELECTOR, "div.stage")
-        assert [s.get_attribute("data-stage") for s in stages] == ["0", "1"]
-        assert all(len(s.find_elements(By.CSS_SELECTOR, "tr.peer")) == 2 for s in stages)
-        assert all("serving" in row.text for row in peers())
+        wait_for(lambda: sum(len(rows) for _, rows in stage_map()) == 4, 60, "4 peers on the page")
+        shown = stage_map()
+        assert [stage for stage, _ in shown] == ["0", "1"]
+        assert all(len(rows) == 2 for _, rows in shown)
+        assert all("serving" in row for _, rows in shown for row in rows), shown
 
         def points() -> int:
-            return int(browser.find_element(By.ID, "loss-chart").get_attribute("data-points"))
+            return int(browser.execute_script("return document.getElementById('loss-chart').dataset.points"))
 
         first = wait_for(points, 60, "a first loss point")
         wait_for(lambda: points() >= first + 3, 60, "the loss chart to gain points")
-        assert browser.find_elements(By.CSS_SELECTOR, "#traffic-chart .bars path"), "the bytes chart has bars"
+        bars = browser.execute_script("return document.querySelectorAll('#traffic-chart .bars path').length")
+        assert bars > 0, "the bytes chart has bars"
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
         shot = tmp_path / "dashboard.png"
