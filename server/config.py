@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from swarm.compression import CODECS
+from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
 from swarm.rebalance import RebalanceConfig
@@ -176,7 +176,7 @@ class AveragingConfig:
         metadata={
             "help": "codec of the stage's gradient all-reduce; acp: ACP-SGD, low-rank factors with error feedback "
             "(sent fp16, as are the tensors that stay whole)",
-            "choices": [*sorted(CODECS), *LOW_RANK_CODECS],
+            "choices": [*WHOLE_TENSOR_CODECS, *LOW_RANK_CODECS],
         },
     )
     allreduce_rank: int = field(default=4, metadata={"help": "acp: rank of the low-rank factors"})

@@ -23,7 +23,8 @@ from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Collaboration, ProgressRefused
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
-from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE
+from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
+from swarm.compression.memory import ErrorMemory
 from swarm.compression.policy import role_of
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
@@ -41,7 +42,7 @@ class StageSchema:
     def __init__(self, cfg: ModelConfig, stage: int, max_batch: int, max_activation: float = FP16_MAX):
         self.cfg, self.stage, self.max_batch, self.bound = cfg, stage, max_batch, max_activation
         self.is_first, self.is_last = stage == 0, stage == cfg.n_stages - 1
-        hidden_bytes = max_batch * cfg.max_seq_len * cfg.d_model * 4
+        hidden_bytes = max_batch * cfg.max_seq_len * cfg.boundary_width * 4
         self.max_request_bytes = 2 * hidden_bytes  # a Backward: inputs and grad_outputs, uncompressed
         self.forward_limits = Limits(hidden_bytes, frozenset({"inputs"}))
         grad_name = "labels" if self.is_last else "grad_outputs"
@@ -56,8 +57,8 @@ class StageSchema:
         else:
             _expect(x.is_floating_point(), f"stage {self.stage} takes floating-point hidden states, got {x.dtype}")
             _expect(
-                x.ndim == 3 and x.shape[2] == self.cfg.d_model,
-                f"hidden states must be (batch, seq, {self.cfg.d_model}), got shape {list(x.shape)}",
+                x.ndim == 3 and x.shape[2] == self.cfg.boundary_width,
+                f"hidden states must be (batch, seq, {self.cfg.boundary_width}), got shape {list(x.shape)}",
             )
         _expect(1 <= x.shape[0] <= self.max_batch, f"batch {x.shape[0]} outside [1, {self.max_batch}]")
         _expect(1 <= x.shape[1] <= self.cfg.max_seq_len, f"sequence {x.shape[1]} outside [1, {self.cfg.max_seq_len}]")
@@ -72,8 +73,8 @@ class StageSchema:
             _check_ids(other, self.cfg.vocab_size, "labels")
         else:
             _expect(
-                other.is_floating_point() and tuple(other.shape) == (B, T, self.cfg.d_model),
-                f"grad_outputs must be float {[B, T, self.cfg.d_model]}, got {other.dtype} {list(other.shape)}",
+                other.is_floating_point() and tuple(other.shape) == (B, T, self.cfg.boundary_width),
+                f"grad_outputs must be float {[B, T, self.cfg.boundary_width]}, got {other.dtype} {list(other.shape)}",
             )
 
 
@@ -118,6 +119,8 @@ class StageService:
         self.traffic = WireStats()  # stage calls' tensors received and sent (written on the compute thread)
         self.losses: deque[float] = deque(maxlen=LOSS_WINDOW)  # last stage: its recent backwards' losses
         self.moves = 0  # set by the peer when it has moved to another stage
+        # errors and warm starts of the stateful gradient codecs this server encodes with (compute thread)
+        self.codec_memory = ErrorMemory()
 
     @property
     def recent_loss(self) -> float | None:
@@ -130,6 +133,7 @@ class StageService:
         self.worker, self.schema, self.collab, self.paused = worker, schema, collab, None
         self.budget.limit = self._budget_bytes()
         self.losses.clear()
+        self.codec_memory = ErrorMemory()
 
     def _budget_bytes(self) -> int:
         if self.guard.max_buffered_mb > 0:
@@ -284,6 +288,21 @@ class StageService:
                 await asyncio.wait_for(drain(), max(0.0, min(read_for - (time.monotonic() - started), DRAIN_S)))
             raise
 
+    @staticmethod
+    def _reply_codec(meta: pb.CallMeta, backward: bool) -> Codec:
+        """The codec the caller asked for its reply, by name (with its settings) or else by wire value."""
+        if meta.reply_codec_name:
+            try:
+                codec = get_codec(meta.reply_codec_name)
+            except ValueError as e:
+                raise WireError(f"reply codec: {e}") from None
+            _expect(backward or not codec.gradients_only, f"reply codec {codec.name!r} is for Backward replies only")
+            return codec
+        _expect(meta.reply_codec in CODECS_BY_WIRE, f"unknown reply codec {meta.reply_codec}")
+        codec = CODECS_BY_WIRE[meta.reply_codec]
+        _expect(not codec.gradients_only, f"reply codec {meta.reply_codec} must be named (reply_codec_name)")
+        return codec
+
     def _samples(self, call: Call) -> int:
         """The batch size of a call's inputs, from its header (the payload is decoded and checked later)."""
         _expect("inputs" in call.tensors, "missing tensor 'inputs'")
@@ -295,7 +314,7 @@ class StageService:
         """Compute thread: decode, validate, run, encode. Raises WireError before touching the model on bad input."""
         meta, device, schema = call.meta, self.worker.device, self.schema
         _expect(meta.stage == schema.stage, f"this server serves stage {schema.stage}, the call is for {meta.stage}")
-        _expect(meta.reply_codec in CODECS_BY_WIRE, f"unknown reply codec {meta.reply_codec}")
+        codec = self._reply_codec(meta, backward)
         _expect("inputs" in call.tensors, "missing tensor 'inputs'")
         inputs = decode_checked(call.tensors["inputs"], device, "inputs", schema.bound)
         schema.check_inputs(inputs)
@@ -303,7 +322,6 @@ class StageService:
             self.traffic.add(role_of(name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
         if not schema.is_first:
             inputs = inputs.float()
-        codec = CODECS_BY_WIRE[meta.reply_codec]
         reply_meta = pb.CallMeta(
             protocol_version=PROTOCOL_VERSION, microbatch_id=meta.microbatch_id, stage=schema.stage
         )
@@ -327,7 +345,13 @@ class StageService:
                 result = self.worker.backward(
                     inputs, grad_outputs=other.float(), forward_version=version, global_batch=global_batch
                 )
-            tensors = [] if result.grad_inputs is None else [encode_tensor("grad_inputs", result.grad_inputs, codec)]
+            tensors = []
+            if result.grad_inputs is not None:
+                # a stateful codec carries its error to the next microbatch of the same global batch (the parameters
+                # it was computed at), never past a step; without stage 0's tag, the version it was computed at
+                batch = global_batch if global_batch is not None else self.worker.param_version
+                ctx = CodecContext(TensorRole.ACTIVATION_GRADIENTS, "grad_inputs", self.codec_memory, batch)
+                tensors = [encode_tensor("grad_inputs", result.grad_inputs, codec, ctx)]
         for enc in tensors:
             self.traffic.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
         reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length

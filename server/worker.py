@@ -475,7 +475,7 @@ class StageWorker:
             if index == 0:
                 inputs = torch.randint(0, cfg.vocab_size, shape, device=self.device)
             else:
-                inputs = torch.randn(*shape, cfg.d_model, device=self.device)
+                inputs = torch.randn(*shape, cfg.boundary_width, device=self.device)
             if self.stage.is_last:
                 self.backward(inputs, labels=torch.randint(0, cfg.vocab_size, shape, device=self.device))
             else:

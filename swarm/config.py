@@ -26,6 +26,17 @@ class ModelConfig:
     share_layers: bool = field(default=True, metadata={"help": "one block per stage applied --layers-per-stage times"})
     checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward (saves memory)"})
     seed: int = field(default=0, metadata={"help": "every peer of a stage initialises identically from (seed, stage)"})
+    boundary: str = field(
+        default="none",
+        metadata={
+            "help": "compression-aware layers at every stage boundary (SWARM, Appendix I): the sender ends its stage "
+            "with LayerNorm, then a linear projection to d_model / --boundary-factor (bottleneck) or the max over "
+            "windows of --boundary-factor features (maxout), then LayerNorm; the receiver projects back to d_model. "
+            "Hidden states and their gradients between stages shrink by the factor",
+            "choices": ["none", "bottleneck", "maxout"],
+        },
+    )
+    boundary_factor: int = field(default=2, metadata={"help": "how much the boundary layers shrink hidden states"})
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len", "n_stages", "layers_per_stage"):
@@ -35,6 +46,13 @@ class ModelConfig:
             raise ValueError(f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("head size (--d-model / --n-heads) must be even for rotary embeddings")
+        if self.boundary not in ("none", "bottleneck", "maxout"):
+            raise ValueError(f"--boundary must be none, bottleneck or maxout, got {self.boundary!r}")
+        factor_ok = self.boundary_factor >= 2 and self.d_model % self.boundary_factor == 0
+        if self.boundary != "none" and not factor_ok:
+            raise ValueError(
+                f"--boundary-factor must be >= 2 and divide --d-model ({self.d_model}), got {self.boundary_factor}"
+            )
 
     def shared(self) -> dict:
         """The fields every peer of a swarm must agree on: all but `checkpointing` (a local memory choice)."""
@@ -43,6 +61,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def boundary_width(self) -> int:
+        """Features of the hidden states that travel between stages."""
+        return self.d_model if self.boundary == "none" else self.d_model // self.boundary_factor
 
 
 def local_debug() -> ModelConfig:

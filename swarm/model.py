@@ -72,9 +72,31 @@ class Block(nn.Module):
         return x_BTD + self.mlp(self.norm_mlp(x_BTD))
 
 
+class BoundaryOut(nn.Module):
+    """The sending side of a compression-aware stage boundary (SWARM, Appendix I): LayerNorm, then a linear
+    bottleneck or maxout over windows of `boundary_factor` features, then LayerNorm (without the norms training
+    diverged in the paper). The receiving stage projects back to d_model (`Stage.boundary_in`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.factor = cfg.boundary, cfg.boundary_factor
+        self.norm_in = nn.LayerNorm(cfg.d_model, bias=False)
+        self.down = nn.Linear(cfg.d_model, cfg.boundary_width, bias=False) if cfg.boundary == "bottleneck" else None
+        self.norm_out = nn.LayerNorm(cfg.boundary_width, bias=False)
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.norm_in(h_BTD)
+        if self.down is not None:
+            h_BTC = self.down(h_BTD)
+        else:
+            h_BTC = h_BTD.unflatten(-1, (-1, self.factor)).amax(dim=-1)  # (B, T, D / factor)
+        return self.norm_out(h_BTC)
+
+
 class Stage(nn.Module):
-    """Stage `index` of `cfg.n_stages`. Inputs: token ids (B, T) for stage 0, hidden (B, T, D) otherwise.
-    Outputs: hidden (B, T, D), or logits (B, T, V) for the last stage."""
+    """Stage `index` of `cfg.n_stages`. Inputs: token ids (B, T) for stage 0, hidden (B, T, C) otherwise.
+    Outputs: hidden (B, T, C), or logits (B, T, V) for the last stage. C = `cfg.boundary_width`: d_model, or less with
+    compression-aware boundaries."""
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -87,6 +109,9 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_unique))
         self.norm_out = nn.LayerNorm(cfg.d_model, bias=False) if self.is_last else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+        compressed = cfg.boundary != "none"
+        self.boundary_in = nn.Linear(cfg.boundary_width, cfg.d_model, bias=False) if compressed and index else None
+        self.boundary_out = BoundaryOut(cfg) if compressed and not self.is_last else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -102,7 +127,10 @@ class Stage(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        h_BTD = self.embed(inputs) if self.embed is not None else inputs
+        if self.embed is not None:
+            h_BTD = self.embed(inputs)
+        else:
+            h_BTD = self.boundary_in(inputs) if self.boundary_in is not None else inputs
         for i in range(self.cfg.layers_per_stage):
             block = self.blocks[0 if self.cfg.share_layers else i]
             if self.cfg.checkpointing and torch.is_grad_enabled() and h_BTD.requires_grad:
@@ -111,7 +139,7 @@ class Stage(nn.Module):
                 h_BTD = block(h_BTD)
         if self.head is not None and self.norm_out is not None:  # the last stage
             return self.head(self.norm_out(h_BTD))
-        return h_BTD
+        return self.boundary_out(h_BTD) if self.boundary_out is not None else h_BTD
 
     def loss(self, inputs: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; last stage only."""

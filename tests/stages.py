@@ -70,7 +70,7 @@ async def run_microbatch(stages: InProcessStages, client: StageClient, tokens: t
             address, method, stage, "m", tensors, expect, 120, forward_version, admission=admission
         )
 
-    return (await train_microbatch(call, stages.cfg.n_stages, stages.cfg.d_model, tokens, labels)).loss
+    return (await train_microbatch(call, stages.cfg.n_stages, stages.cfg.boundary_width, tokens, labels)).loss
 
 
 def random_batch(cfg: ModelConfig, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

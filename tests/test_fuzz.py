@@ -51,6 +51,14 @@ class Fuzzer:
             return {"inputs": inputs, "labels": ids()}
         return {"inputs": inputs, "grad_outputs": hidden()}
 
+    @staticmethod
+    def encode(name: str, t: torch.Tensor, codec):
+        """Poisoned values as the codec encodes them, or raw where it refuses to encode them (piecewise, low-rank)."""
+        try:
+            return encode_tensor(name, t, codec)
+        except (ValueError, RuntimeError):
+            return encode_tensor(name, t, get_codec("none"))
+
     def poison_values(self, tensors: dict[str, torch.Tensor]) -> None:
         name = self.rng.choice(sorted(tensors))
         flat = tensors[name].view(-1)
@@ -81,19 +89,21 @@ class Fuzzer:
         tensors = self.tensors(stage, method)
         if rng.random() < 0.4:
             self.poison_values(tensors)
-        codec = get_codec(rng.choice(["none", "fp16", "blockwise8"]))
+        codec = get_codec(rng.choice(["none", "fp16", "blockwise8", "piecewise3", "lowrank2", "topk50+piecewise4"]))
         meta = pb.CallMeta(
             protocol_version=PROTOCOL_VERSION if rng.random() < 0.95 else rng.randint(0, 9),
             microbatch_id="m" * rng.choice([1, 10, 10_000]),
             stage=target,
-            reply_codec=rng.choice([pb.CODEC_NONE, pb.CODEC_BLOCKWISE8, 17]),  # type: ignore[arg-type]
+            reply_codec=rng.choice([pb.CODEC_NONE, pb.CODEC_BLOCKWISE8, pb.CODEC_LOWRANK, 17]),  # type: ignore[arg-type]
         )
+        if rng.random() < 0.3:
+            meta.reply_codec_name = rng.choice(["piecewise2", "lowrank4", "topk10+fp16", "lowrank0", "x" * 5000, ""])
         for field, values in (("forward_version", [0, 1, -5, 2**62]), ("global_batch", [0, 1, -1, 2**62])):
             if rng.random() < 0.2:
                 setattr(meta, field, rng.choice(values))
         if rng.random() < 0.1:
             meta.admitted_at = rng.choice([0, 3, -2, 2**62])
-        encoded = [encode_tensor(k, v, codec) for k, v in tensors.items()]
+        encoded = [self.encode(k, v, codec) for k, v in tensors.items()]
         if rng.random() < 0.4:
             self.poison_header(rng.choice(encoded).header)
         frames = list(iter_frames(meta, encoded, chunk_bytes=rng.choice([64, 1000, 1 << 20])))

@@ -31,10 +31,27 @@ def pipeline_loss_and_grads(stages: list[Stage], tokens, labels) -> float:
     return result.loss
 
 
-@pytest.mark.parametrize("share_layers", [True, False])
-@pytest.mark.parametrize("layers_per_stage", [1, 3])
-def test_partitioned_stages_match_whole_model(share_layers, layers_per_stage):
-    cfg = dataclasses.replace(tiny_test(), share_layers=share_layers, layers_per_stage=layers_per_stage)
+@pytest.mark.parametrize(
+    ("share_layers", "layers_per_stage", "boundary", "factor"),
+    [
+        (True, 1, "none", 2),
+        (True, 3, "none", 2),
+        (False, 1, "none", 2),
+        (False, 3, "none", 2),
+        (True, 2, "bottleneck", 2),
+        (True, 2, "bottleneck", 4),
+        (False, 2, "maxout", 2),
+        (True, 1, "maxout", 4),
+    ],
+)
+def test_partitioned_stages_match_whole_model(share_layers, layers_per_stage, boundary, factor):
+    cfg = dataclasses.replace(
+        tiny_test(),
+        share_layers=share_layers,
+        layers_per_stage=layers_per_stage,
+        boundary=boundary,
+        boundary_factor=factor,
+    )
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=gen)
     labels = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=gen)
@@ -47,6 +64,10 @@ def test_partitioned_stages_match_whole_model(share_layers, layers_per_stage):
     loss_pipe = pipeline_loss_and_grads(stages, tokens, labels)
 
     assert abs(loss_pipe - loss_whole.item()) / loss_whole.item() < RTOL
+    if boundary != "none":  # what travels between stages is the boundary's width, and every boundary layer learns
+        assert stages[0](tokens).shape == (4, cfg.max_seq_len, cfg.d_model // factor)
+        assert stages[1].boundary_in is not None and stages[1].boundary_in.weight.grad.abs().sum() > 0
+        assert stages[0].boundary_out is not None and stages[-1].boundary_out is None
     for stage, ref in zip(stages, whole.stages, strict=False):
         for (name, p), (_, p_ref) in zip(stage.named_parameters(), ref.named_parameters(), strict=False):
             assert torch.equal(p, p_ref), "same (seed, stage) must give the same initial parameters"
@@ -68,5 +89,9 @@ def test_grad_weight_accumulates_weighted_sum():
 def test_config_errors_name_the_flag():
     with pytest.raises(ValueError, match="--n-heads"):
         ModelConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="--boundary-factor"):
+        ModelConfig(d_model=32, n_heads=2, boundary="maxout", boundary_factor=3)
+    with pytest.raises(ValueError, match="--boundary "):
+        ModelConfig(boundary="pca")
     with pytest.raises(ValueError, match="--stage"):
         Stage(tiny_test(), 7)

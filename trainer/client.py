@@ -102,12 +102,13 @@ class StageClient:
             encoded = await loop.run_in_executor(self.pool, lambda: [encode(k, v) for k, v in tensors.items()])
         for sent in encoded:
             self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
-        reply_codec = self.policy.codec(REPLY_ROLE[method]).wire
+        reply_codec = self.policy.codec(REPLY_ROLE[method])
         meta = pb.CallMeta(
             protocol_version=PROTOCOL_VERSION,
             microbatch_id=microbatch_id,
             stage=stage,
-            reply_codec=reply_codec,  # type: ignore[arg-type]  # protobuf enums are ints at run time
+            reply_codec=reply_codec.wire,  # type: ignore[arg-type]  # protobuf enums are ints at run time
+            reply_codec_name=reply_codec.name,
             forward_version=forward_version,
             inference=inference,
         )

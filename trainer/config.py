@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swarm.compression import CODECS
+from swarm.compression import CODECS, CompressionPolicy
+from swarm.compression.registry import CODEC_NAMES_HELP
 from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
 from trainer.data import parse_hub_name
@@ -31,7 +32,17 @@ class TrainerConfig:
     batch_size: int = field(default=8, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=3, metadata={"help": "microbatches in the pipeline at once"})
     codec: str = field(
-        default="blockwise8", metadata={"help": "wire codec, all four directions", "choices": sorted(CODECS)}
+        default="blockwise8",
+        metadata={
+            "help": "wire codec of hidden states (and of their gradients, unless --backward-codec)",
+            "choices": sorted(CODECS),
+        },
+    )
+    backward_codec: str | None = field(
+        default=None,
+        metadata={
+            "help": f"wire codec of activation gradients (Backward replies, relayed between stages): {CODEC_NAMES_HELP}"
+        },
     )
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches (0: no limit)"})
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: no limit)"})
@@ -69,6 +80,7 @@ class TrainerConfig:
             raise ValueError("--batch-size, --in-flight and --max-retries must be >= 1")
         if self.codec not in CODECS:
             raise ValueError(f"unknown --codec {self.codec!r}; choose one of {sorted(CODECS)}")
+        self.policy()  # names the flag and the choices if --backward-codec is not a codec for gradients
         if not 0 < self.max_activation < float("inf"):
             raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
         if not 0 < self.min_request_timeout <= self.request_timeout:
@@ -79,3 +91,10 @@ class TrainerConfig:
             parse_hub_name(self.data)
         if not self.data_column or not self.data_split:
             raise ValueError("--data-column and --data-split must not be empty")
+
+    def policy(self) -> CompressionPolicy:
+        """The pipeline's codecs: --codec for hidden states, --backward-codec (or --codec) for their gradients."""
+        try:
+            return CompressionPolicy.for_wire(self.codec, self.backward_codec)
+        except ValueError as e:
+            raise ValueError(f"--backward-codec: {e}") from None

@@ -24,7 +24,6 @@ import torch
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from swarm.compression import CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
@@ -70,9 +69,7 @@ class Trainer:
         self.versions = [0] * self.n_stages
         self.stats = WireStats()
         max_tensor_bytes = cfg.batch_size * model_cfg.max_seq_len * max(model_cfg.d_model, model_cfg.vocab_size) * 4
-        self.client = StageClient(
-            CompressionPolicy.for_wire(cfg.codec), self.stats, max_tensor_bytes, cfg.max_activation
-        )
+        self.client = StageClient(cfg.policy(), self.stats, max_tensor_bytes, cfg.max_activation)
         self.peers_changed = asyncio.Event()
         self.steps = self.samples = self.lost = self.retries = 0
         self.losses: list[float] = []
@@ -143,7 +140,7 @@ class Trainer:
         async def call(stage, method, tensors, expect_shape, forward_version, admission):
             return await self._call(stage, method, mb_id, tensors, expect_shape, forward_version, admission)
 
-        result = await train_microbatch(call, self.n_stages, self.model_cfg.d_model, tokens, labels)
+        result = await train_microbatch(call, self.n_stages, self.model_cfg.boundary_width, tokens, labels)
         if result.loss is None or not math.isfinite(result.loss):
             raise MicrobatchLost(f"last stage returned loss {result.loss}")
         return result

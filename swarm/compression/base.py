@@ -11,6 +11,7 @@ from enum import StrEnum
 
 import torch
 
+from swarm.compression.memory import ErrorMemory
 from swarm.protocol import wire_pb2 as pb
 
 DTYPE_TO_WIRE = {
@@ -53,11 +54,18 @@ class TensorRole(StrEnum):
 
 @dataclass(frozen=True)
 class CodecContext:
-    """Who encodes what. A stateful codec (error feedback, warm-started low-rank factors) keeps its state per context:
-    the same role and key on the next call continue the same stream; `key` names it (e.g. a peer and a shape)."""
+    """Who encodes what. A stateful codec (error feedback, warm-started low-rank factors) keeps its state in the
+    sender's `memory`, per stream: the same role, key and shape on the next call continue the same stream, and an
+    error is carried only to a tensor of the same global `batch` (see swarm.compression.memory). Without `memory` a
+    stateful codec compresses each tensor on its own."""
 
     role: TensorRole
     key: str = ""
+    memory: ErrorMemory | None = None
+    batch: int = 0
+
+    def stream(self, shape: tuple[int, ...]) -> tuple[str, str, tuple[int, ...]]:
+        return (self.role.value, self.key, shape)
 
 
 class Codec(ABC):
@@ -66,6 +74,8 @@ class Codec(ABC):
 
     wire: int  # wire_pb2.Codec value
     name: str
+    # compresses a tensor with its error carried to the next (lossy beyond quantization): activation gradients only
+    gradients_only = False
 
     @abstractmethod
     def encode(self, t: torch.Tensor, ctx: CodecContext | None = None) -> tuple[bytes, bytes]:

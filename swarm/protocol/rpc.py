@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = 3  # 3: signed Progress, records under owner subkeys
+PROTOCOL_VERSION = 4  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs
 CHUNK_BYTES = 2 << 20
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),

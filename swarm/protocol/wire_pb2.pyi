@@ -12,6 +12,9 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_NONE: _ClassVar[Codec]
     CODEC_FLOAT16: _ClassVar[Codec]
     CODEC_BLOCKWISE8: _ClassVar[Codec]
+    CODEC_PIECEWISE: _ClassVar[Codec]
+    CODEC_LOWRANK: _ClassVar[Codec]
+    CODEC_TOKEN_TOPK: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +26,9 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 CODEC_NONE: Codec
 CODEC_FLOAT16: Codec
 CODEC_BLOCKWISE8: Codec
+CODEC_PIECEWISE: Codec
+CODEC_LOWRANK: Codec
+CODEC_TOKEN_TOPK: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -46,7 +52,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., codec_params: _Optional[bytes] = ...) -> None: ...
 
 class CallMeta(_message.Message):
-    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version", "inference", "global_batch", "admitted_at")
+    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version", "inference", "global_batch", "admitted_at", "reply_codec_name")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +65,7 @@ class CallMeta(_message.Message):
     INFERENCE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     microbatch_id: str
     stage: int
@@ -71,7 +78,8 @@ class CallMeta(_message.Message):
     inference: bool
     global_batch: int
     admitted_at: int
-    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ..., inference: _Optional[bool] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ...) -> None: ...
+    reply_codec_name: str
+    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ..., inference: _Optional[bool] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ..., reply_codec_name: _Optional[str] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("meta", "tensor", "data")

@@ -202,7 +202,7 @@ class SwarmPipeline:
         h = torch.tensor([list(ids[-self.cfg.max_seq_len :])], dtype=torch.int64)  # (1, T)
         T, last = h.shape[1], self.cfg.n_stages - 1
         for stage in range(self.cfg.n_stages):
-            h = await self._forward(stage, h, (1, T, self.cfg.vocab_size if stage == last else self.cfg.d_model))
+            h = await self._forward(stage, h, (1, T, self.cfg.vocab_size if stage == last else self.cfg.boundary_width))
         return h[0, -1, :BYTES]
 
     async def _discover(self, stage: int) -> None:

@@ -65,10 +65,14 @@ def dying_with_parent(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
-def averaging_flag(name: str):
-    """A field of AveragingConfig, with its default and metadata, for swarm-local to pass on to its servers."""
-    source = next(f for f in dataclasses.fields(AveragingConfig) if f.name == name)
+def flag_of(config: type, name: str):
+    """A field of a server's or trainer's config, with its default and metadata, for swarm-local to pass on."""
+    source = next(f for f in dataclasses.fields(config) if f.name == name)
     return field(default=source.default, metadata=source.metadata)
+
+
+def averaging_flag(name: str):
+    return flag_of(AveragingConfig, name)
 
 
 @dataclass(kw_only=True)
@@ -86,6 +90,7 @@ class LocalConfig:
     summary_json: str | None = field(default=None, metadata={"help": "write the run's summary here"})
     preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
     codec: str = field(default=TrainerConfig.codec, metadata={"help": "wire codec", "choices": sorted(CODECS)})
+    backward_codec: str | None = flag_of(TrainerConfig, "backward_codec")
     batch_size: int = field(default=TrainerConfig.batch_size, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=TrainerConfig.in_flight, metadata={"help": "microbatches in flight per trainer"})
     samples_per_step: int = field(
@@ -138,6 +143,7 @@ class LocalConfig:
         if self.sample_bytes < 0:
             raise ValueError(f"--sample-bytes must be >= 0, got {self.sample_bytes}")
         self.allocation  # noqa: B018 -- validates --servers-per-stage
+        self.trainer_config(0)  # validates the trainers' flags (--backward-codec)
 
     @property
     def allocation(self) -> list[int]:
@@ -176,7 +182,12 @@ class LocalConfig:
 
     def trainer_config(self, index: int) -> TrainerConfig:
         return dataclasses.replace(
-            local_trainer(), batch_size=self.batch_size, in_flight=self.in_flight, codec=self.codec, data_seed=index
+            local_trainer(),
+            batch_size=self.batch_size,
+            in_flight=self.in_flight,
+            codec=self.codec,
+            backward_codec=self.backward_codec,
+            data_seed=index,
         )
 
 

@@ -22,6 +22,7 @@ import time
 import torch
 
 from swarm.compression import CODECS, Blockwise8Codec, Codec, CompressionPolicy
+from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.config import PRESETS, ModelConfig, model_config
 from swarm.devices import resolve_device, synchronize
 from swarm.model import Stage
@@ -47,7 +48,7 @@ def hivemind_codecs() -> dict:
     """The all-reduce's own codecs (hivemind's), as the server configures them."""
     from server.collab.averaging import hivemind_compression
 
-    return {name: hivemind_compression(codec) for name, codec in CODECS.items()}
+    return {name: hivemind_compression(CODECS[name]) for name in WHOLE_TENSOR_CODECS}
 
 
 def hivemind_bytes(codec, t: torch.Tensor) -> int:
