@@ -87,6 +87,11 @@ def check_scrapes(server: dict, trainer: dict) -> None:
     assert value(server, "swarm_server_pipeline_bytes", role="activations", form="fp32") > value(
         server, "swarm_server_pipeline_bytes", role="activations", form="wire"
     )
+    grads = {
+        form: value(server, "swarm_server_pipeline_bytes", role="activation_gradients", form=form)
+        for form in ("wire", "fp32")
+    }
+    assert grads["fp32"] / grads["wire"] > 5, "the last stage's grad_inputs travel low-rank (6.4x at rank 8 here)"
     assert value(trainer, "swarm_trainer_microbatches") >= 20
     assert value(trainer, "swarm_trainer_samples") >= 80
     assert value(trainer, "swarm_trainer_lost_microbatches") == 0
@@ -102,8 +107,21 @@ def test_a_killed_server_and_a_frozen_one_lose_no_microbatch(tmp_path, marker):
     """SIGKILL of one stage-1 server: nothing lost. Then SIGSTOP of one stage-2 server for 20 s (alive, connected,
     answering nothing), then SIGCONT: nothing lost, and training goes on. The stall is printed, not asserted: pings
     and call deadlines move work off the frozen peer, its stage peer leaves it out of the all-reduce, but hivemind's
-    DHT waits for the frozen peer's DHT node, and that stall varies from run to run (7.8 s to 19 s measured)."""
-    model = ["--preset", "local_debug", "--n-stages", "3", "--d-model", "64", "--max-seq-len", "64"]
+    DHT waits for the frozen peer's DHT node, and that stall varies from run to run (7.8 s to 19 s measured).
+    The model has maxout boundaries and activation gradients travel low-rank, as servers' error memories keep them."""
+    # compression-aware boundaries and low-rank gradients with their error memories, under churn
+    model = [
+        "--preset",
+        "local_debug",
+        "--n-stages",
+        "3",
+        "--d-model",
+        "64",
+        "--max-seq-len",
+        "64",
+        "--boundary",
+        "maxout",
+    ]
     server_port, trainer_port = free_port(), free_port()
     with LocalSwarm(tmp_path, "killtest", model) as swarm:
         swarm.start_dht()
@@ -112,6 +130,7 @@ def test_a_killed_server_and_a_frozen_one_lose_no_microbatch(tmp_path, marker):
                 metrics = ["--metrics-port", str(server_port)] if (stage, r) == (2, 1) else []
                 swarm.start_server(f"server-s{stage}-r{r}", stage, ["--samples-per-step", "16", *metrics])
         trainer_flags = ["--batch-size", "4", "--in-flight", "4", "--min-request-timeout", "5"]
+        trainer_flags += ["--backward-codec", "lowrank8"]
         swarm.start_trainer("trainer-0", [*trainer_flags, "--metrics-port", str(trainer_port)])
         wait_for(lambda: trainer_stats(swarm).get("steps", 0) >= 20, 150, "20 microbatches")
         check_scrapes(scrape(server_port), scrape(trainer_port))

@@ -43,7 +43,7 @@ from swarm.cli import (
     write_config_file,
 )
 from swarm.compression import CODECS
-from swarm.config import PRESETS
+from swarm.config import PRESETS, ModelConfig, model_config
 from swarm.rebalance import RebalanceConfig
 from trainer.config import TrainerConfig
 
@@ -89,6 +89,8 @@ class LocalConfig:
     duration: float = field(default=180.0, metadata={"help": "stop after this many seconds of training (0: no limit)"})
     summary_json: str | None = field(default=None, metadata={"help": "write the run's summary here"})
     preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
+    boundary: str = flag_of(ModelConfig, "boundary")
+    boundary_factor: int = flag_of(ModelConfig, "boundary_factor")
     codec: str = field(default=TrainerConfig.codec, metadata={"help": "wire codec", "choices": sorted(CODECS)})
     backward_codec: str | None = flag_of(TrainerConfig, "backward_codec")
     batch_size: int = field(default=TrainerConfig.batch_size, metadata={"help": "samples per microbatch"})
@@ -144,6 +146,7 @@ class LocalConfig:
             raise ValueError(f"--sample-bytes must be >= 0, got {self.sample_bytes}")
         self.allocation  # noqa: B018 -- validates --servers-per-stage
         self.trainer_config(0)  # validates the trainers' flags (--backward-codec)
+        self.model()  # and the model's (--boundary-factor)
 
     @property
     def allocation(self) -> list[int]:
@@ -179,6 +182,16 @@ class LocalConfig:
             compute=dataclasses.replace(base.compute, slowdown=self.slowdown),
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
         )
+
+    def model(self) -> ModelConfig:
+        return model_config(
+            self.preset, n_stages=self.stages, boundary=self.boundary, boundary_factor=self.boundary_factor
+        )
+
+    def model_args(self) -> list[str]:
+        """The model flags every server and trainer gets."""
+        args = ["--preset", self.preset, "--n-stages", str(self.stages)]
+        return args + ["--boundary", self.boundary, "--boundary-factor", str(self.boundary_factor)]
 
     def trainer_config(self, index: int) -> TrainerConfig:
         return dataclasses.replace(
@@ -449,7 +462,7 @@ def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> s
 
 def run(cfg: LocalConfig, stop: threading.Event) -> dict:
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="swarm-local-"))
-    model_args = ["--preset", cfg.preset, "--n-stages", str(cfg.stages)]
+    model_args = cfg.model_args()
     tty = sys.stdout.isatty()
     print(
         f"swarm-local: {cfg.stages} stages, servers {'/'.join(map(str, cfg.allocation))}, {cfg.trainers} trainers; "

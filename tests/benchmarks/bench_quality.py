@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from swarm.config import ModelConfig, model_config
+from swarm.config import ModelConfig
 from swarm.model import GPT
 from swarm.tools.local import LocalConfig, LocalSwarm, start_peers
 from tests.benchmarks import common
@@ -71,6 +71,12 @@ def configurations() -> dict[str, LocalConfig]:
         # selective stage compression (Optimus-CC): low-rank on the earliest stages only
         "acp on stage 0": dataclasses.replace(d, allreduce_codec="acp", allreduce_compress_stages="0"),
         "acp on stages 0,1": dataclasses.replace(d, allreduce_codec="acp", allreduce_compress_stages="0,1"),
+        # pipeline compression (issue 12): the hidden states' gradients, and compression-aware boundaries
+        "backward piecewise4": dataclasses.replace(d, backward_codec="piecewise4"),
+        "backward lowrank8": dataclasses.replace(d, backward_codec="lowrank8"),
+        "backward lowrank8 without error feedback": dataclasses.replace(d, backward_codec="lowrank8-noef"),
+        "maxout 2x": dataclasses.replace(d, boundary="maxout"),
+        "maxout 2x, backward piecewise4": dataclasses.replace(d, boundary="maxout", backward_codec="piecewise4"),
     }
 
 
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         reference_cache: dict[tuple, dict] = {}
         for name in names:
             local = configs[name]
-            cfg = model_config(local.preset, n_stages=local.stages)
+            cfg = local.model()
             batch = held_out_batch(heldout, cfg.max_seq_len)
             common.log(f"{corpus} / {name}: swarm run")
             run = run_swarm(name, local, train_path, samples, out, args.timeout)

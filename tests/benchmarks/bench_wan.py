@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--in-flight", type=int, default=12)
     p.add_argument("--window", type=float, default=None, help="seconds measured per cell")
     p.add_argument("--server-args", default="", help="extra flags for every server")
-    p.add_argument("--codecs", default=None, help="comma-separated (default: none,blockwise8; --quick: blockwise8)")
+    p.add_argument(
+        "--codecs",
+        default=None,
+        help="comma-separated, each CODEC or FORWARD/BACKWARD (blockwise8/lowrank8) (default: none,blockwise8; "
+        "--quick: blockwise8)",
+    )
     args = p.parse_args(argv)
     common.exit_on_sigterm()
     window = args.window or (8.0 if args.quick else 20.0)
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
             proxy.set(0.0, 0.0)
             trainer = swarmrun.TrainerHandle(
                 swarm,
-                f"trainer-{codec}",
+                f"trainer-{codec.replace('/', '_')}",
                 [*to_argv(swarmrun.trainer_config("wan", args, codec, corpus, request_timeout=120.0)), *model_flags],
             )
             try:

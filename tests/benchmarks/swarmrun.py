@@ -184,9 +184,17 @@ def measure_trainer(
 
 
 def trainer_config(swarm_name: str, args, codec: str, corpus: str, **more) -> TrainerConfig:
-    """A benchmark's trainer: the benchmark's --batch-size and --in-flight, a codec, a corpus file."""
+    """A benchmark's trainer: the benchmark's --batch-size and --in-flight, a codec ("FORWARD/BACKWARD" for one of
+    each direction, e.g. "blockwise8/lowrank8"), a corpus file."""
+    forward, _, backward = codec.partition("/")
     return TrainerConfig(
-        swarm_name=swarm_name, batch_size=args.batch_size, in_flight=args.in_flight, codec=codec, data=corpus, **more
+        swarm_name=swarm_name,
+        batch_size=args.batch_size,
+        in_flight=args.in_flight,
+        codec=forward,
+        backward_codec=backward or None,
+        data=corpus,
+        **more,
     )
 
 
