@@ -95,7 +95,8 @@ class Codec(ABC):
 
     @abstractmethod
     def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        """Payload bytes of a tensor of `numel` values of `dtype`: for byte accounting without encoding."""
+        """Payload bytes of a tensor of `numel` values of `dtype`: for byte accounting without encoding. ValueError
+        from codecs whose size depends on the shape (low-rank, top-k)."""
 
     @staticmethod
     def _check_size(header: pb.TensorHeader, payload: bytes | bytearray, expected: int) -> None:

@@ -87,6 +87,4 @@ class LowRankCodec(Codec):
         return (p @ q.T).reshape(tuple(header.shape)).to(WIRE_TO_DTYPE[header.dtype])
 
     def encoded_bytes(self, numel, dtype):
-        """For a square-ish estimate only: the real size depends on the shape (M r 2 + d r 4)."""
-        side = math.isqrt(max(numel, 1))
-        return side * min(self.rank, side) * 6
+        raise ValueError("low-rank payloads depend on the tensor's shape ((M * 2 + d * 4) * rank), not its size alone")
