@@ -297,6 +297,7 @@ class StageService:
             except ValueError as e:
                 raise WireError(f"reply codec: {e}") from None
             _expect(backward or not codec.gradients_only, f"reply codec {codec.name!r} is for Backward replies only")
+            _expect(0 <= meta.reply_epilogue <= 1, f"reply_epilogue {meta.reply_epilogue} outside [0, 1]")
             return codec
         _expect(meta.reply_codec in CODECS_BY_WIRE, f"unknown reply codec {meta.reply_codec}")
         codec = CODECS_BY_WIRE[meta.reply_codec]
@@ -346,6 +347,12 @@ class StageService:
                     inputs, grad_outputs=other.float(), forward_version=version, global_batch=global_batch
                 )
             tensors = []
+            if (
+                codec.gradients_only
+                and 0 < meta.reply_epilogue < 1
+                and self.collab.batch_done() <= 1 - meta.reply_epilogue
+            ):
+                codec = CODECS_BY_WIRE[pb.CODEC_BLOCKWISE8]  # not in the batch's epilogue: 8-bit, no error carried
             if result.grad_inputs is not None:
                 # a stateful codec carries its error to the next microbatch of the same global batch (the parameters
                 # it was computed at), never past a step; without stage 0's tag, the version it was computed at

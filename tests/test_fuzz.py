@@ -98,6 +98,7 @@ class Fuzzer:
         )
         if rng.random() < 0.3:
             meta.reply_codec_name = rng.choice(["piecewise2", "lowrank4", "topk10+fp16", "lowrank0", "x" * 5000, ""])
+            meta.reply_epilogue = rng.choice([0.0, 0.25, 1.0, -1.0, 2.0, float("nan"), float("inf")])
         for field, values in (("forward_version", [0, 1, -5, 2**62]), ("global_batch", [0, 1, -1, 2**62])):
             if rng.random() < 0.2:
                 setattr(meta, field, rng.choice(values))

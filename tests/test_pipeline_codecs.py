@@ -252,3 +252,35 @@ def test_stage_servers_reply_in_the_named_codec_and_refuse_forged_names():
                 assert "codec" in (err.value.details() or "")
 
     asyncio.run(main())
+
+
+def test_epilogue_only_compression_compresses_the_microbatches_that_complete_the_batch():
+    """`reply_epilogue` 0.25 with a global batch of 16 in microbatches of 4: the first three Backwards of each batch
+    reply 8-bit, the fourth low-rank; an epilogue outside [0, 1] is refused."""
+    cfg = tiny_test()
+
+    async def main():
+        async with InProcessStages(cfg, samples_per_step=16, stages=[1]) as stages:
+            client = StageClient(CompressionPolicy.for_wire("none", "lowrank4"), WireStats(), 1 << 26, 65504.0, 0.25)
+            h = torch.randn(4, cfg.max_seq_len, cfg.d_model)
+            codecs = []
+            try:
+                for _ in range(8):
+                    reply = await client.call(
+                        stages.addresses[1], "Backward", 1, "m", {"inputs": h, "grad_outputs": h}, h.shape, 60
+                    )
+                    assert reply.encoded is not None
+                    codecs.append(reply.encoded.header.codec)
+                assert stages.workers[1].param_version == 2
+                client.backward_epilogue = -0.5  # a forged value: the trainer itself refuses it at start
+                with pytest.raises(grpc.aio.AioRpcError, match="reply_epilogue"):
+                    await client.call(
+                        stages.addresses[1], "Backward", 1, "m", {"inputs": h, "grad_outputs": h}, h.shape, 60
+                    )
+            finally:
+                await client.close()
+            assert codecs == [pb.CODEC_BLOCKWISE8] * 3 + [pb.CODEC_LOWRANK] + [pb.CODEC_BLOCKWISE8] * 3 + [
+                pb.CODEC_LOWRANK
+            ]
+
+    asyncio.run(main())

@@ -55,11 +55,18 @@ class StageClient:
     """Encodes each tensor with its role's codec (the policy's), and asks the server to encode its reply likewise."""
 
     def __init__(
-        self, policy: CompressionPolicy, stats: WireStats, max_tensor_bytes: int, max_activation: float = FP16_MAX
+        self,
+        policy: CompressionPolicy,
+        stats: WireStats,
+        max_tensor_bytes: int,
+        max_activation: float = FP16_MAX,
+        backward_epilogue: float = 1.0,
     ):
         """Replies are refused (WireError) above `max_tensor_bytes` per tensor or with a value beyond
-        `max_activation` in magnitude (or NaN)."""
+        `max_activation` in magnitude (or NaN). `backward_epilogue` < 1: servers use the policy's low-rank or top-k
+        gradient codec only for the last share of each global batch (CallMeta.reply_epilogue)."""
         self.policy, self.stats, self.max_activation = policy, stats, max_activation
+        self.backward_epilogue = backward_epilogue
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.stubs: dict[str, StageStub] = {}
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
@@ -114,6 +121,8 @@ class StageClient:
         )
         if admission is not None:
             meta.global_batch, meta.admitted_at = admission.global_batch, admission.admitted_at
+        if method == "Backward" and reply_codec.gradients_only and self.backward_epilogue < 1:
+            meta.reply_epilogue = self.backward_epilogue
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
         call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)

@@ -44,6 +44,14 @@ class TrainerConfig:
             "help": f"wire codec of activation gradients (Backward replies, relayed between stages): {CODEC_NAMES_HELP}"
         },
     )
+    backward_epilogue: float = field(
+        default=1.0,
+        metadata={
+            "help": "with a low-rank or top-k --backward-codec: use it only for the microbatches that complete the "
+            "last this share of each stage's global batch, 8-bit for the others (Optimus-CC's epilogue-only "
+            "compression: the gradients a step waits for); 1: every microbatch"
+        },
+    )
     max_steps: int = field(default=0, metadata={"help": "stop after this many microbatches (0: no limit)"})
     duration: float = field(default=0.0, metadata={"help": "stop after this many seconds (0: no limit)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the data order"})
@@ -81,6 +89,8 @@ class TrainerConfig:
         if self.codec not in CODECS:
             raise ValueError(f"unknown --codec {self.codec!r}; choose one of {sorted(CODECS)}")
         self.policy()  # names the flag and the choices if --backward-codec is not a codec for gradients
+        if not 0 < self.backward_epilogue <= 1:
+            raise ValueError(f"--backward-epilogue must be in (0, 1], got {self.backward_epilogue}")
         if not 0 < self.max_activation < float("inf"):
             raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
         if not 0 < self.min_request_timeout <= self.request_timeout:

@@ -20,6 +20,11 @@ class Collaboration(Protocol):
     @property
     def epoch(self) -> int: ...
 
+    def batch_done(self) -> float:
+        """The share of the current global batch this stage has accumulated: this peer's samples and what its stage
+        peers last reported. Any thread may ask (the answer may lag a message)."""
+        ...
+
     @property
     def allreduce_bytes(self) -> int: ...
 
@@ -122,6 +127,9 @@ class LocalSteps:
 
     async def finish_epoch(self, timeout: float) -> int:
         return self.worker.samples_accumulated
+
+    def batch_done(self) -> float:
+        return self.worker.samples_accumulated / self.target
 
     async def after_backward(self) -> None:
         if self.worker.samples_accumulated >= self.target:

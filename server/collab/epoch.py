@@ -110,6 +110,9 @@ class StageCollaboration:
     def epoch(self) -> int:
         return self.worker.epoch
 
+    def batch_done(self) -> float:
+        return (self.worker.samples_accumulated + self.peers.samples_in(self.epoch)) / self.cfg.samples_per_step
+
     @property
     def address(self) -> str:
         return self.peers.address

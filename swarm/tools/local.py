@@ -93,6 +93,7 @@ class LocalConfig:
     boundary_factor: int = flag_of(ModelConfig, "boundary_factor")
     codec: str = field(default=TrainerConfig.codec, metadata={"help": "wire codec", "choices": sorted(CODECS)})
     backward_codec: str | None = flag_of(TrainerConfig, "backward_codec")
+    backward_epilogue: float = flag_of(TrainerConfig, "backward_epilogue")
     batch_size: int = field(default=TrainerConfig.batch_size, metadata={"help": "samples per microbatch"})
     in_flight: int = field(default=TrainerConfig.in_flight, metadata={"help": "microbatches in flight per trainer"})
     samples_per_step: int = field(
@@ -200,6 +201,7 @@ class LocalConfig:
             in_flight=self.in_flight,
             codec=self.codec,
             backward_codec=self.backward_codec,
+            backward_epilogue=self.backward_epilogue,
             data_seed=index,
         )
 

@@ -75,6 +75,7 @@ def configurations() -> dict[str, LocalConfig]:
         "backward piecewise4": dataclasses.replace(d, backward_codec="piecewise4"),
         "backward lowrank8": dataclasses.replace(d, backward_codec="lowrank8"),
         "backward lowrank8 without error feedback": dataclasses.replace(d, backward_codec="lowrank8-noef"),
+        "backward lowrank8, epilogue 25%": dataclasses.replace(d, backward_codec="lowrank8", backward_epilogue=0.25),
         "maxout 2x": dataclasses.replace(d, boundary="maxout"),
         "maxout 2x, backward piecewise4": dataclasses.replace(d, boundary="maxout", backward_codec="piecewise4"),
     }
