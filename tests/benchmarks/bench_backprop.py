@@ -12,7 +12,7 @@ Same optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), global batch 32 
 windows of the last 10% of the corpus. Corpora: `builtin` (the standard library's Python source, swarm-local's
 default) and `prose` (the English text of Python's own documentation topics, `pydoc_data.topics`).
 
-    python -m tests.benchmarks.bench_backprop [--quick] [--steps 150] [--data builtin,prose] [--only REGEX]
+    python -m tests.benchmarks.bench_backprop [--quick] [--steps 150] [--data builtin,prose] [--only REGEX] [--seed N]
 """
 
 from __future__ import annotations
@@ -98,13 +98,14 @@ class Wire:
         return decode_tensor(enc, CPU)
 
 
-def train(cfg, setup: Setup, data, heldout, steps: int) -> tuple[float, Wire]:
-    torch.manual_seed(0)
+def train(cfg, setup: Setup, data, heldout, steps: int, seed: int = 0) -> tuple[float, Wire]:
+    """Held-out loss after `steps` steps; `seed` picks the data order (the model initialises from its config)."""
+    torch.manual_seed(seed)
     stages = [Stage(cfg, i) for i in range(cfg.n_stages)]
     params = [p for s in stages for p in s.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     memories = [[ErrorMemory() for _ in range(setup.peers)] for _ in stages]  # one per sender of each stage
-    wire, gen = Wire(), torch.Generator().manual_seed(1)
+    wire, gen = Wire(), torch.Generator().manual_seed(1 + seed)
     per_step = GLOBAL_BATCH // MICROBATCH
     compressed_from = per_step - max(1, round(setup.epilogue * per_step))
     for step in range(steps):
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "--data", default=None, help="corpora, comma-separated: builtin, prose (default both; --quick builtin)"
     )
     p.add_argument("--only", default=None, help="run the configurations whose name matches this regex")
+    p.add_argument("--seed", type=int, default=0, help="data order (run-to-run spread: compare seeds)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
     torch.set_num_threads(1)
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             setup = SETUPS[name]
             cfg = dataclasses.replace(base, boundary=setup.boundary, boundary_factor=setup.factor)
             started = time.monotonic()
-            loss, wire = train(cfg, setup, data, heldout, steps)
+            loss, wire = train(cfg, setup, data, heldout, steps, args.seed)
             seconds = time.monotonic() - started
             common.log(f"{data_name} / {name}: held-out loss {loss:.4f} after {steps} steps ({seconds:.0f}s)")
             results.append({"data": data_name, "config": name, "heldout": loss, "seconds": seconds, "sent": wire.sent})
@@ -184,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         ["corpus", "configuration", "held-out loss", "vs fp32", "fwd fp32/sent", "bwd fp32/sent", "both"],
         rows,
     )
-    common.write_json(args.out, "backprop", {"hardware": common.hardware(), "steps": steps, "results": results})
+    common.write_json(
+        args.out, "backprop", {"hardware": common.hardware(), "steps": steps, "seed": args.seed, "results": results}
+    )
     return 0
 
 
