@@ -98,7 +98,29 @@ class Wire:
         return decode_tensor(enc, CPU)
 
 
-def train(cfg, setup: Setup, data, heldout, steps: int, seed: int = 0) -> tuple[float, Wire]:
+ERROR_CODECS = ("blockwise8", "piecewise4", "piecewise3", "lowrank8", "lowrank16", "lowrank32", "topk50+none")
+
+
+def compression_errors(stages: list[Stage], data: torch.Tensor, seq_len: int) -> dict[str, list[float]]:
+    """codec -> relative L2 error (||decoded - g|| / ||g||) on the grad_inputs of stages 1.. (no error carried), for
+    one microbatch: how much of a real activation gradient each codec keeps."""
+    tokens, labels = windows(data, MICROBATCH, seq_len, torch.Generator().manual_seed(7))
+    acts = [tokens]
+    for stage in stages[:-1]:
+        acts.append(stage_forward(stage, acts[-1]))
+    grads = [stage_backward(stages[-1], acts[-1], labels=labels).grad_inputs]
+    for i in range(len(stages) - 2, 0, -1):
+        grads.append(stage_backward(stages[i], acts[i], grad_outputs=grads[-1]).grad_inputs)
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+    out = {}
+    for name in ERROR_CODECS:
+        decoded = [decode_tensor(encode_tensor("g", g, get_codec(name)), CPU) for g in grads if g is not None]
+        out[name] = [float((d - g).norm() / g.norm()) for d, g in zip(decoded, grads, strict=True) if g is not None]
+    return out
+
+
+def train(cfg, setup: Setup, data, heldout, steps: int, seed: int = 0) -> tuple[float, Wire, list[Stage]]:
     """Held-out loss after `steps` steps; `seed` picks the data order (the model initialises from its config)."""
     torch.manual_seed(seed)
     stages = [Stage(cfg, i) for i in range(cfg.n_stages)]
@@ -133,7 +155,7 @@ def train(cfg, setup: Setup, data, heldout, steps: int, seed: int = 0) -> tuple[
         h = heldout[0]
         for stage in stages[:-1]:
             h = stage(h)
-        return stages[-1].loss(h, heldout[1]).item(), wire
+        return stages[-1].loss(h, heldout[1]).item(), wire, stages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in SETUPS if re.search(args.only, n)]
     corpora = (args.data or ("builtin" if args.quick else "builtin,prose")).split(",")
     base = model_config("local_debug")  # the model swarm-local trains: d_model 128, 3 stages of 2 shared layers
-    results = []
+    results: list[dict] = []
+    errors: dict[tuple[str, str], dict[str, list[float]]] = {}
     for data_name in corpora:
         text = corpus(data_name)
         cut = int(len(text) * 0.9)
@@ -163,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             setup = SETUPS[name]
             cfg = dataclasses.replace(base, boundary=setup.boundary, boundary_factor=setup.factor)
             started = time.monotonic()
-            loss, wire = train(cfg, setup, data, heldout, steps, args.seed)
+            loss, wire, trained = train(cfg, setup, data, heldout, steps, args.seed)
+            if setup == Setup():
+                for when, stages in (("initial", [Stage(cfg, i) for i in range(cfg.n_stages)]), ("trained", trained)):
+                    errors[(data_name, when)] = compression_errors(stages, data, cfg.max_seq_len)
             seconds = time.monotonic() - started
             common.log(f"{data_name} / {name}: held-out loss {loss:.4f} after {steps} steps ({seconds:.0f}s)")
             results.append({"data": data_name, "config": name, "heldout": loss, "seconds": seconds, "sent": wire.sent})
@@ -186,8 +212,26 @@ def main(argv: list[str] | None = None) -> int:
         ["corpus", "configuration", "held-out loss", "vs fp32", "fwd fp32/sent", "bwd fp32/sent", "both"],
         rows,
     )
+    if errors:
+        common.table(
+            "Relative L2 error of each codec on one microbatch's activation gradients (grad_inputs of the last stage, "
+            "then of the middle ones), at initialisation and after the fp32 run",
+            ["corpus", "model", *ERROR_CODECS],
+            [
+                [d, when] + ["/".join(f"{e:.3f}" for e in errs[c]) for c in ERROR_CODECS]
+                for (d, when), errs in errors.items()
+            ],
+        )
     common.write_json(
-        args.out, "backprop", {"hardware": common.hardware(), "steps": steps, "seed": args.seed, "results": results}
+        args.out,
+        "backprop",
+        {
+            "hardware": common.hardware(),
+            "steps": steps,
+            "seed": args.seed,
+            "results": results,
+            "compression_errors": {f"{d} {when}": errs for (d, when), errs in errors.items()},
+        },
     )
     return 0
 
