@@ -12,7 +12,7 @@ Same optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), global batch 32 
 windows of the last 10% of the corpus. Corpora: `builtin` (the standard library's Python source, swarm-local's
 default) and `prose` (the English text of Python's own documentation topics, `pydoc_data.topics`).
 
-    python -m tests.benchmarks.bench_backprop [--quick] [--steps 150] [--data builtin,prose] [--only REGEX] [--seed N]
+    python -m tests.benchmarks.bench_backprop [--quick] [--steps 100] [--data builtin,prose] [--only REGEX] [--seed N]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from swarm.model import Stage
 from swarm.pipeline import stage_backward, stage_forward
 from swarm.protocol.tensors import decode_tensor, encode_tensor
 from tests.benchmarks import common
+from tests.benchmarks.bench_lowrank import windows
 from trainer.data import load_corpus
 
 MICROBATCH, GLOBAL_BATCH, LR, WEIGHT_DECAY, CLIP = 8, 32, 2e-3, 0.01, 1.0
@@ -78,12 +79,6 @@ def corpus(name: str) -> torch.Tensor:
 
         return torch.frombuffer(bytearray("\n\n".join(topics.values()).encode()), dtype=torch.uint8)
     raise ValueError(f"--data: builtin or prose, got {name!r}")
-
-
-def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(data) - seq_len - 1, (n,), generator=gen)
-    tokens = torch.stack([data[s : s + seq_len + 1] for s in starts]).long()
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 class Wire:
@@ -160,7 +155,7 @@ def train(cfg, setup: Setup, data, heldout, steps: int, seed: int = 0) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 150; --quick 20)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 100; --quick 20)")
     p.add_argument(
         "--data", default=None, help="corpora, comma-separated: builtin, prose (default both; --quick builtin)"
     )
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     common.exit_on_sigterm()
     torch.set_num_threads(1)
-    steps = args.steps or (20 if args.quick else 150)
+    steps = args.steps or (20 if args.quick else 100)
     names = list(QUICK if args.quick else SETUPS)
     if args.only:
         names = [n for n in SETUPS if re.search(args.only, n)]

@@ -14,7 +14,7 @@ Reported per configuration: held-out loss of the swarm (the model of each replic
 and 1) and of the one-process runs, their ratios, the optimizer steps each stage took against samples / global
 batch, how far apart the peers of a stage ended (relative L2 of their parameters), and samples/s.
 
-    python -m tests.benchmarks.bench_quality [--quick] [--data builtin,licences] [--samples 3232] [--only a,b]
+    python -m tests.benchmarks.bench_quality [--quick] [--data builtin,licences] [--samples 3232] [--only "a|b"]
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--data", default=None, help="comma-separated corpora: builtin, licences, or paths")
     p.add_argument("--samples", type=int, default=None, help="samples per run (default 3232; --quick 1024)")
-    p.add_argument("--only", default=None, help="comma-separated configuration names (see configurations())")
+    p.add_argument("--only", default=None, help="configuration names separated by '|' (see configurations())")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per swarm run")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
