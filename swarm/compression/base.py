@@ -67,6 +67,23 @@ class CodecContext:
     def stream(self, shape: tuple[int, ...]) -> tuple[str, str, tuple[int, ...]]:
         return (self.role.value, self.key, shape)
 
+    def with_carried_error(self, shape: tuple[int, ...], g: torch.Tensor) -> torch.Tensor:
+        """`g` plus the error the last tensor of this stream left in this batch (taken out of the memory), if any."""
+        carried = None if self.memory is None else self.memory.take_error(self.stream(shape), self.batch)
+        return g if carried is None else g + carried
+
+    def keep_error(self, shape: tuple[int, ...], error: torch.Tensor) -> None:
+        """What this tensor's compression missed, for the next tensor of the stream in this batch."""
+        if self.memory is not None:
+            self.memory.put_error(self.stream(shape), self.batch, error)
+
+    def warm_start(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return None if self.memory is None else self.memory.warm_start(self.stream(shape))
+
+    def keep_warm_start(self, shape: tuple[int, ...], q: torch.Tensor) -> None:
+        if self.memory is not None:
+            self.memory.put_warm_start(self.stream(shape), q)
+
 
 class Codec(ABC):
     """Turns a tensor into (codec parameters, payload) and back. The parameters travel in the header, opaque to

@@ -50,20 +50,17 @@ class LowRankCodec(Codec):
         shape = tuple(t.shape)
         g = t.detach().float().reshape(-1, shape[-1])  # (M, d)
         r = min(self.rank, *g.shape)
-        memory, stream = (ctx.memory, ctx.stream(shape)) if ctx is not None and ctx.memory is not None else (None, None)
-        if memory is not None and stream is not None and self.error_feedback:
-            carried = memory.take_error(stream, ctx.batch)  # type: ignore[union-attr]  # ctx is set with memory
-            if carried is not None:
-                g = g + carried
-        warm = memory.warm_start(stream) if memory is not None and stream is not None else None
+        if ctx is not None and self.error_feedback:
+            g = ctx.with_carried_error(shape, g)
+        warm = ctx.warm_start(shape) if ctx is not None else None
         if warm is None or warm.shape != (g.shape[1], r):
             warm = first_query(g.shape[1], r, g.device)
         p = orthonormal_columns(g @ orthonormal_columns(warm)).to(torch.float16)  # (M, r)
         q = g.T @ p.float()  # (d, r)
-        if memory is not None and stream is not None:
-            memory.put_warm_start(stream, q)
-            if self.error_feedback:
-                memory.put_error(stream, ctx.batch, g - p.float() @ q.T)  # type: ignore[union-attr]
+        if ctx is not None:
+            ctx.keep_warm_start(shape, q)
+            if self.error_feedback and ctx.memory is not None:
+                ctx.keep_error(shape, g - p.float() @ q.T)
         return self.PARAMS.pack(r), tensor_to_bytes(p) + tensor_to_bytes(q)
 
     def _layout(self, header: pb.TensorHeader, payload: bytes | bytearray) -> tuple[int, int, int]:

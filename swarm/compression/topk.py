@@ -45,21 +45,18 @@ class TokenTopKCodec(Codec):
     def encode(self, t, ctx: CodecContext | None = None):
         shape = tuple(t.shape)
         g = t.detach().float().reshape(-1, shape[-1])  # (M, d)
-        memory, stream = (ctx.memory, ctx.stream(shape)) if ctx is not None and ctx.memory is not None else (None, None)
-        if memory is not None and stream is not None and self.error_feedback:
-            carried = memory.take_error(stream, ctx.batch)  # type: ignore[union-attr]  # ctx is set with memory
-            if carried is not None:
-                g = g + carried
+        if ctx is not None and self.error_feedback:
+            g = ctx.with_carried_error(shape, g)
         k = max(1, math.ceil(self.percent * g.shape[0] / 100))
         rows = torch.topk(g.norm(dim=1), k, sorted=False).indices.sort().values
         mask = torch.zeros(g.shape[0], dtype=torch.uint8, device=g.device)
         mask[rows] = 1
         inner_params, inner_payload = self.inner.encode(g[rows])
-        if memory is not None and stream is not None and self.error_feedback:
+        if ctx is not None and ctx.memory is not None and self.error_feedback:  # decoding costs a pass: only if kept
             header = self._inner_header("error", k, g.shape[1], pb.DTYPE_FLOAT32, inner_params, inner_payload)
             error = g.clone()
             error[rows] -= self.inner.decode(header, inner_payload, g.device)
-            memory.put_error(stream, ctx.batch, error)  # type: ignore[union-attr]
+            ctx.keep_error(shape, error)
         params = self.PARAMS.pack(k, self.inner.wire) + inner_params
         return params, tensor_to_bytes(pack_bits(mask, 1)) + bytes(inner_payload)
 
