@@ -1,8 +1,13 @@
 """Shared test helpers. Every process a test starts carries SWARM_TEST_MARKER in its environment (inherited by the
 DHT child and p2pd too), so a test can prove that nothing it started is still alive."""
 
+import asyncio
+import gc
+import inspect
 import os
 import socket
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -77,3 +82,43 @@ def marker(monkeypatch):
         except OSError:
             pass
     assert not leftovers, f"processes outlived their test: {leftovers}"
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_tasks_on_timeout(request):
+    """pytest-timeout prints every thread's stack, but a coroutine test stuck on an await shows only its event loop
+    polling. Shortly before the timeout, print the stack of every pending asyncio task too (found through the garbage
+    collector: the timer thread has no handle on the test's loop)."""
+    marker = request.node.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if not inspect.iscoroutinefunction(request.function) or timeout <= 5:
+        yield
+        return
+
+    def dump() -> None:
+        tasks = [t for t in gc.get_objects() if isinstance(t, asyncio.Task) and not t.done()]
+        print(f"\n{len(tasks)} pending asyncio tasks {timeout - 3:.0f}s into {request.node.nodeid}:", file=sys.stderr)
+        for task in tasks:
+            print(f"  {task.get_name()}, waiting on {task._fut_waiter!r:.200}:", file=sys.stderr)
+            for line in await_chain(task.get_coro()):
+                print(f"    {line}", file=sys.stderr)
+
+    timer = threading.Timer(timeout - 3, dump)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def await_chain(coro) -> list[str]:
+    """Where a coroutine is suspended: the frame of each coroutine it awaits, outermost first (a task's own stack
+    shows only the outermost)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return lines
