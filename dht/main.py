@@ -1,15 +1,20 @@
-"""`swarm-dht`: a bootstrap node. Prints the multiaddrs that servers and trainers pass as --initial-peers."""
+"""`swarm-dht`: a bootstrap node. Prints the multiaddrs that servers and trainers pass as --initial-peers, and answers
+starting servers' reachability checks (swarm/protocol/reach.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import threading
 from pathlib import Path
 
+import hivemind
+
 from dht.node import start_dht
 from swarm.cli import add_config_file_arg, parse_args
+from swarm.protocol.reach import ReachResponder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+async def answer_reach_checks(dht: hivemind.DHT, stop: threading.Event) -> None:
+    """On a thread of its own: the node's main thread only waits for a signal."""
+    p2p = await dht.replicate_p2p()
+    try:
+        await ReachResponder(p2p).start()
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+    finally:
+        await p2p.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
@@ -37,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     dht = start_dht(
         args.initial_peers, host=args.host, port=args.port, identity_path=args.identity_path, swarm_name=args.swarm_name
     )
+    responder = threading.Thread(target=asyncio.run, args=(answer_reach_checks(dht, stop),), name="reach", daemon=True)
+    responder.start()
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         if args.maddr_file:
@@ -47,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         print("  --initial-peers " + " ".join(maddrs), flush=True)
         stop.wait()
     finally:
+        stop.set()
+        responder.join(timeout=3)  # removes its handle's unix socket
         dht.shutdown()
 
 

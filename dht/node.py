@@ -18,12 +18,14 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from dht.forking import forking
 from dht.identity import Identity, fingerprint, owner_of
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
+from swarm.net import listen_multiaddrs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def start_dht(
     ensure_reaper()  # hivemind's child and its p2pd die with us, even if we are killed (dht/reaper.py)
     dht = hivemind.DHT(
         initial_peers=list(initial_peers),
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        host_maddrs=listen_multiaddrs(host, port),
         client_mode=client_mode,
         identity_path=identity_path,
         record_validators=[
@@ -76,6 +78,7 @@ class SwarmDHT:
         self.dht, self.swarm_name, self.identity, self.timeout = dht, swarm_name, identity, timeout
         self.config = config or {}
         self._reported: set[tuple[str, str]] = set()  # (peer, differences) already logged
+        self._p2p: P2P | None = None
 
     @classmethod
     def start(
@@ -95,6 +98,20 @@ class SwarmDHT:
     def p2p_id(self) -> str:
         """Our libp2p peer id (hivemind's averagers address peers by it)."""
         return str(self.dht.peer_id)
+
+    async def p2p(self) -> P2P:
+        """A handle on our DHT node's libp2p daemon in this process (for handlers and calls of our own); the same one
+        on every call."""
+        if self._p2p is None:
+            maddr = await asyncio.to_thread(self.dht.run_coroutine, hivemind.DHT._get_p2p_daemon_listen_maddr)
+            self._p2p = await P2P.replicate(maddr)
+        return self._p2p
+
+    async def close_p2p(self) -> None:
+        """Stop our handlers and remove the handle's unix socket (the daemon is the DHT's: `shutdown` ends it)."""
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+            self._p2p = None
 
     async def announce(self, record: ServerRecord, ttl: float) -> bool:
         record = dataclasses.replace(record, p2p_id=self.p2p_id, config=self.config)

@@ -12,6 +12,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from dht.identity import owner_of
+from swarm.net import join_host_port
 
 RECORD_VERSION = 1
 MAX_STAGES = 256  # stage keys the validator knows (keys reach validators hashed: they are precomputed)
@@ -46,7 +47,7 @@ class ServerRecord:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_host_port(self.host, self.port)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,9 +23,18 @@ class NetworkConfig:
 
     swarm_name: str = field(default="swarm", metadata={"help": "DHT namespace shared by the swarm's peers"})
     initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddrs of any DHT peer"})
-    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen address (0.0.0.0 for a real swarm)"})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "gRPC listen address (0.0.0.0, or :: for IPv4 and IPv6, for a real swarm)"},
+    )
     port: int = field(default=0, metadata={"help": "gRPC port (0: any free port)"})
-    announce_host: str | None = field(default=None, metadata={"help": "address trainers dial (default: --host)"})
+    announce_host: str | None = field(
+        default=None,
+        metadata={
+            "help": "address trainers dial (default: --host, or if that is 0.0.0.0 or ::, the address the swarm's "
+            "peers see us at)"
+        },
+    )
     announce_port: int | None = field(
         default=None, metadata={"help": "port trainers dial (default: the bound --port); e.g. a proxy in front"}
     )
@@ -34,6 +43,10 @@ class NetworkConfig:
     record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
     drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
+    check_reachability: bool = field(
+        default=True,
+        metadata={"help": "at start, ask a few swarm peers to dial our gRPC address back, and say whether they could"},
+    )
 
     def __post_init__(self) -> None:
         if self.record_ttl <= self.announce_period:

@@ -115,6 +115,7 @@ class StageService:
         self.requests_busy = 0  # turned away with RESOURCE_EXHAUSTED: too many calls or bytes held
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
         self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
+        self.p2p_id = ""  # the server's libp2p id, in Info (a reachability check dialling back matches it)
         self.max_read_s = MAX_READ_S
         self.traffic = WireStats()  # stage calls' tensors received and sent (written on the compute thread)
         self.losses: deque[float] = deque(maxlen=LOSS_WINDOW)  # last stage: its recent backwards' losses
@@ -208,6 +209,7 @@ class StageService:
             moves=self.moves,
             state_downloads=self.collab.state_downloads,
             transport="grpc",
+            p2p_id=self.p2p_id,
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):

@@ -21,12 +21,15 @@ from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab import Collaboration, LocalSteps, StageCollaboration
 from server.config import ServerConfig
 from server.metrics import fill_server_metrics
+from server.reachability import self_test
 from server.rebalancer import Rebalancer, sleep_unless
 from server.service import StageSchema, StageService
 from server.worker import StageWorker
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.model import Stage
+from swarm.net import is_unspecified
+from swarm.protocol.reach import ReachResponder
 from swarm.protocol.rpc import SERVICE, start_stage_server
 
 logger = logging.getLogger("swarm.server")
@@ -88,6 +91,7 @@ class StageServer:
         self._active: ActiveStage | None = None
         self._endpoint: Endpoint | None = None
         self._counted = (time.monotonic(), 0)  # (when, samples processed) at the last snapshot
+        self.seen_host: str | None = None  # where the swarm's peers see us (reachability self-test)
 
     @property
     def active(self) -> ActiveStage:
@@ -121,7 +125,7 @@ class StageServer:
 
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(
-            host=self.cfg.network.announce_host or self.cfg.network.host,
+            host=self.cfg.network.announce_host or self.seen_host or self.cfg.network.host,
             port=self.cfg.network.announce_port or (self._endpoint.port if self._endpoint else 0),
             stage=self.stage if stage is None else stage,
             throughput=self.load.throughput,
@@ -131,6 +135,21 @@ class StageServer:
             joined_at=self.joined_at,
             ready=ready,
         )
+
+    async def check_reachability(self) -> None:
+        """Ask swarm peers to dial our Stage service; log what they say. Listening on 0.0.0.0 or :: with no
+        --announce-host: announce the address they see us at."""
+        net = self.cfg.network
+        host = net.announce_host or net.host
+        port = net.announce_port or self.endpoint.port
+        test = await self_test(self.sdht, net.initial_peers, self.model_cfg.n_stages, host, port)
+        if test.host and test.host != host:
+            self.seen_host = test.host
+            logger.info("announcing %s: the address the swarm's peers see us at", test.host)
+        elif is_unspecified(host):
+            logger.warning("announcing %s, which nobody can dial: pass --announce-host", host)
+        report = test.report(port, "--announce-host/--announce-port")
+        (logger.info if test.result.ok or not test.result.answered else logger.warning)(report)
 
     async def announce(self, ready: bool = True, stage: int | None = None) -> None:
         try:
@@ -176,6 +195,10 @@ class StageServer:
                 service.handler(), cfg.network.host, cfg.network.port
             )
             self._endpoint = Endpoint(server, health_servicer, port, service)
+            service.p2p_id = self.sdht.p2p_id
+            await ReachResponder(await self.sdht.p2p()).start()  # every server checks others' reachability
+            if cfg.network.check_reachability:
+                await self.check_reachability()
         collab.address = self.record().address
         await collab.start()
         self.service.attach(worker, self.active.schema, collab)
@@ -321,3 +344,4 @@ class StageServer:
             await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir, self.collab.acp)
         await self.collab.stop()
         self.worker.shutdown()
+        await self.sdht.close_p2p()

@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from swarm.net import join_host_port
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def aio_server() -> grpc.aio.Server:
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Listen on host:port (0: any free port); returns the bound port."""
-    return server.add_insecure_port(f"{host}:{port}")
+    return server.add_insecure_port(join_host_port(host, port))
 
 
 async def start_stage_server(

@@ -100,7 +100,7 @@ class InfoRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes", "recent_loss", "traffic", "rounds_ok", "rounds_failed", "moves", "state_downloads", "transport")
+    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes", "recent_loss", "traffic", "rounds_ok", "rounds_failed", "moves", "state_downloads", "transport", "p2p_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class InfoReply(_message.Message):
     MOVES_FIELD_NUMBER: _ClassVar[int]
     STATE_DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    P2P_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     n_stages: int
@@ -155,7 +156,8 @@ class InfoReply(_message.Message):
     moves: int
     state_downloads: int
     transport: str
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ..., recent_loss: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[Traffic, _Mapping]]] = ..., rounds_ok: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., moves: _Optional[int] = ..., state_downloads: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    p2p_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ..., recent_loss: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[Traffic, _Mapping]]] = ..., rounds_ok: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., moves: _Optional[int] = ..., state_downloads: _Optional[int] = ..., transport: _Optional[str] = ..., p2p_id: _Optional[str] = ...) -> None: ...
 
 class Traffic(_message.Message):
     __slots__ = ("role", "wire_bytes", "fp32_bytes")
@@ -200,3 +202,21 @@ class ProgressAck(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class ReachRequest(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class ReachReply(_message.Message):
+    __slots__ = ("reachable", "dialled", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DIALLED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    dialled: str
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., dialled: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

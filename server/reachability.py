@@ -1,0 +1,69 @@
+"""A starting server's self-test: can the swarm dial its Stage service? (swarm/protocol/reach.py asks other DHT nodes
+to dial it back.) Told which address to check, or none (listening on 0.0.0.0 or ::): then the address the swarm's
+nodes see us at, which the server announces."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from dht.node import SwarmDHT
+from swarm.net import is_unspecified
+from swarm.protocol.reach import Reachability, check_reachability
+
+logger = logging.getLogger(__name__)
+MAX_HELPERS = 3
+
+
+@dataclass(frozen=True)
+class SelfTest:
+    result: Reachability
+    host: str | None  # the address to announce: the one checked, or where the swarm sees us; None: unknown
+
+    def report(self, port: int, flags: str) -> str:
+        """One log line for the server's owner; `flags`: how to fix an unreachable address."""
+        r = self.result
+        if r.ok:
+            where = collections.Counter(r.reachable).most_common(1)[0][0]
+            return f"reachable: {len(r.reachable)} of {r.asked} swarm peers asked dialled our Stage service at {where}"
+        if not r.answered:
+            return f"could not check whether the swarm can reach us: none of {r.asked} peers asked could check"
+        return (
+            f"NOT reachable: {len(r.unreachable)} of {r.asked} swarm peers could not dial our Stage service "
+            f"({'; '.join(f'{where}: {why}' for where, why in r.unreachable)}). Trainers and stage peers cannot call this server. Forward TCP port {port} "
+            f"to this machine, or pass {flags} with an address that reaches it"
+        )
+
+
+def helper_ids(initial_peers: Sequence[str], servers: Sequence[str], me: str, k: int = MAX_HELPERS) -> list[PeerID]:
+    """Up to `k` libp2p ids to ask, at random: the bootstrap peers (from their multiaddrs) and servers (their records'
+    p2p ids), never ourselves."""
+    ids = set(servers)
+    for maddr in initial_peers:
+        try:
+            ids.add(Multiaddr(maddr).value_for_protocol("p2p"))
+        except Exception:  # a multiaddr without /p2p/, or malformed: the DHT already said so at start
+            continue
+    ids.discard(me)
+    chosen = random.sample(sorted(ids), min(k, len(ids)))
+    return [PeerID.from_base58(p) for p in chosen]
+
+
+async def self_test(sdht: SwarmDHT, initial_peers: Sequence[str], n_stages: int, host: str, port: int) -> SelfTest:
+    """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us)."""
+    found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
+    servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries if e.record.p2p_id]
+    helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
+    result = await check_reachability(await sdht.p2p(), helpers, host, port)
+    if not is_unspecified(host):
+        return SelfTest(result, host)
+    # where they see us, even if they could not dial us there: the address to fix, and to announce meanwhile
+    seen = [d.rsplit(":", 1)[0].strip("[]") for d in result.reachable or [where for where, _ in result.unreachable]]
+    return SelfTest(result, collections.Counter(seen).most_common(1)[0][0] if seen else None)

@@ -1,0 +1,41 @@
+"""Addresses, for IPv4 and IPv6 alike: gRPC and records write an IPv6 host in brackets ("[::1]:5000"), libp2p
+multiaddrs name the family ("/ip6/::1/tcp/5000")."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def ip_version(host: str) -> int | None:
+    """4 or 6 for an IP address (brackets allowed), None for a host name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version
+    except ValueError:
+        return None
+
+
+def join_host_port(host: str, port: int) -> str:
+    """ "host:port", with an IPv6 host in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ip_version(host) == 6 else f"{host}:{port}"
+
+
+def is_unspecified(host: str) -> bool:
+    """0.0.0.0, ::, or empty: an address to listen on, not one to dial."""
+    try:
+        return not host or ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a host name
+
+
+def tcp_multiaddr(host: str, port: int) -> str:
+    """libp2p's address for an IP and port; a host name resolves through DNS."""
+    proto = {4: "ip4", 6: "ip6", None: "dns"}[ip_version(host)]
+    return f"/{proto}/{host.strip('[]')}/tcp/{port}"
+
+
+def listen_multiaddrs(host: str, port: int) -> list[str]:
+    """Where a libp2p node listens for `host`: "::" means both families (libp2p's IPv6 listener takes IPv6 only)."""
+    if ip_version(host) == 6 and is_unspecified(host):
+        return [tcp_multiaddr("0.0.0.0", port), tcp_multiaddr("::", port)]
+    return [tcp_multiaddr(host, port)]

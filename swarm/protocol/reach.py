@@ -1,0 +1,137 @@
+"""Can the swarm reach this server? Asked over libp2p, so it works before anyone can dial us, and with no central
+service: every DHT node of the swarm (`swarm-dht` and every server) answers `ReachRequest`s, and a starting server
+asks a few of them to dial its Stage service back.
+
+A node dials what it is asked only once per asker per `MIN_INTERVAL_S`, at most `MAX_CONCURRENT` at a time, with one
+Info call of `DIAL_TIMEOUT_S`, and says "reachable" only if the reply names the asker's own libp2p id: it cannot be
+made to vouch for a third party, and answers only "yes", "no" or a short reason, never what it found there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.net import is_unspecified, join_host_port
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import StageStub, aio_channel
+
+logger = logging.getLogger(__name__)
+HANDLER = "swarm.v1.Reach"
+DIAL_TIMEOUT_S = 3.0
+MIN_INTERVAL_S = 10.0
+MAX_CONCURRENT = 4
+MAX_HOST_CHARS = 255
+ASK_TIMEOUT_S = 2 * DIAL_TIMEOUT_S + 2.0  # the node's dial plus libp2p's round trips
+
+
+def host_of(maddr: Multiaddr) -> str | None:
+    """The IP address of a libp2p multiaddr, or None if it has none (a relayed or DNS address)."""
+    for proto in ("ip4", "ip6"):
+        try:
+            return maddr.value_for_protocol(proto)
+        except Exception:  # multiaddr raises its own ProtocolLookupError, or ValueError, depending on the version
+            continue
+    return None
+
+
+async def dial_back(host: str, port: int, expected_p2p_id: str) -> tuple[bool, str]:
+    """One Info call to host:port: (True, "") if it answered naming `expected_p2p_id`, else (False, why)."""
+    channel = aio_channel(join_host_port(host, port))
+    try:
+        reply = await StageStub(channel).info(pb.InfoRequest(), timeout=DIAL_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return False, f"{e.code().name.lower()} within {DIAL_TIMEOUT_S:.0f}s"
+    finally:
+        await channel.close()
+    if reply.p2p_id != expected_p2p_id:
+        return False, "a server answered there, but not the one asking"
+    return True, ""
+
+
+class ReachResponder:
+    """Answers ReachRequests on a P2P instance (a DHT node's replica: `await dht.replicate_p2p()`)."""
+
+    def __init__(self, p2p: P2P, dial: Callable[[str, int, str], Awaitable[tuple[bool, str]]] = dial_back):
+        self.p2p, self.dial = p2p, dial
+        self._last: dict[PeerID, float] = {}
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+
+    async def start(self) -> None:
+        await self.p2p.add_protobuf_handler(HANDLER, self.handle, pb.ReachRequest)
+
+    async def handle(self, request: pb.ReachRequest, context: P2PContext) -> pb.ReachReply:
+        asker = context.remote_id
+        now = time.monotonic()
+        if now - self._last.get(asker, -MIN_INTERVAL_S) < MIN_INTERVAL_S or self._slots.locked():
+            return pb.ReachReply(detail=f"busy: ask again in {MIN_INTERVAL_S:.0f}s")
+        if len(self._last) >= 4096:
+            self._last = {p: t for p, t in self._last.items() if now - t < MIN_INTERVAL_S}
+        self._last[asker] = now
+        if not 0 < request.port < 65536 or len(request.host) > MAX_HOST_CHARS:
+            return pb.ReachReply(detail="malformed request")
+        host = request.host if not is_unspecified(request.host) else await self._observed_host(asker)
+        if host is None:
+            return pb.ReachReply(detail="no direct connection to the asker (relayed?)")
+        async with self._slots:
+            reachable, detail = await self.dial(host, request.port, asker.to_base58())
+        dialled = join_host_port(host, request.port)
+        logger.debug("reach check for %s: %s %s", asker, dialled, "reachable" if reachable else detail)
+        return pb.ReachReply(reachable=reachable, dialled=dialled, detail=detail)
+
+    async def _observed_host(self, peer: PeerID) -> str | None:
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer:
+                for maddr in info.addrs:
+                    if (host := host_of(maddr)) is not None:
+                        return host
+        return None
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What the nodes asked said. `dialled`: the host:port each reachable answer dialled (when we asked for our
+    unspecified host, where they see us)."""
+
+    asked: int
+    reachable: list[str]
+    unreachable: list[tuple[str, str]]  # (host:port dialled, why it failed)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.reachable)
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.reachable or self.unreachable)
+
+
+async def check_reachability(p2p: P2P, helpers: Sequence[PeerID], host: str, port: int) -> Reachability:
+    """Ask each of `helpers` (not us) to dial our Stage service at host:port (`host` unspecified: at the address it
+    sees us at). Never raises: a helper that does not answer, or could not check (busy, no direct connection to us),
+    counts in neither list."""
+    request = pb.ReachRequest(host="" if is_unspecified(host) else host, port=port)
+
+    async def ask(peer: PeerID) -> pb.ReachReply | None:
+        try:
+            reply = await asyncio.wait_for(
+                p2p.call_protobuf_handler(peer, HANDLER, request, pb.ReachReply), ASK_TIMEOUT_S
+            )
+        except Exception as e:  # libp2p's errors, a helper without the handler, a timeout
+            logger.debug("reach check: %s did not answer: %r", peer, e)
+            return None
+        return reply if len(reply.dialled) <= MAX_HOST_CHARS + 8 and len(reply.detail) <= 200 else None
+
+    replies = [r for r in await asyncio.gather(*(ask(p) for p in helpers)) if r is not None]
+    return Reachability(
+        asked=len(helpers),
+        reachable=[r.dialled for r in replies if r.reachable],
+        unreachable=[(r.dialled, r.detail) for r in replies if r.dialled and not r.reachable],
+    )
