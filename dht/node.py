@@ -26,6 +26,7 @@ from dht.identity import Identity, fingerprint, owner_of
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
 from swarm.net import listen_multiaddrs
+from swarm.protocol.tls import pin
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class SwarmDHT:
                 continue
             if record.online and item.expiration_time > now and (record.ready or include_pending):
                 entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time))
+                pin(record.address, record.tls_cert)  # our channels to it trust what its signed record says
         return entries
 
     def _report(self, peer_id: str, stage: int, differ: str) -> None:

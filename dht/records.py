@@ -13,6 +13,7 @@ from hivemind.utils import MSGPackSerializer
 
 from dht.identity import owner_of
 from swarm.net import join_host_port
+from swarm.protocol.tls import valid_cert
 
 RECORD_VERSION = 1
 MAX_STAGES = 256  # stage keys the validator knows (keys reach validators hashed: they are precomputed)
@@ -42,6 +43,7 @@ class ServerRecord:
     ready: bool = True
     online: bool = True  # False: a tombstone left by a peer that withdrew
     p2p_id: str = ""  # the peer's libp2p id, for hivemind's averagers (its swarm id is its key's fingerprint)
+    tls_cert: str = ""  # PEM: its gRPC endpoint serves TLS with this certificate, which callers trust alone ("": none)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # what must match between peers: `settings`
     version: int = RECORD_VERSION
 
@@ -75,6 +77,7 @@ class ServerRecord:
             isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
             isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
+            isinstance(rec.tls_cert, str) and (rec.tls_cert == "" or valid_cert(rec.tls_cert)),
             _plain_settings(rec.config),
         )
         return rec if all(checks) else None

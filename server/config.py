@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.metrics import MetricsConfig
 from swarm.protocol.tensors import FP16_MAX
+from swarm.protocol.tls import TlsConfig
 from swarm.rebalance import RebalanceConfig
 
 LOW_RANK_CODECS = ("acp",)  # stage all-reduce schemes that send low-rank factors (server/collab/lowrank.py)
@@ -294,6 +295,7 @@ class ServerConfig:
         default="0", metadata={"help": "stage index to serve, or 'auto': the stage that most needs capacity"}
     )
     network: NetworkConfig = field(default_factory=NetworkConfig, metadata=SECTION)
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=SECTION)
     compute: ComputeConfig = field(default_factory=ComputeConfig, metadata=SECTION)
     guard: GuardConfig = field(default_factory=GuardConfig, metadata=SECTION)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=SECTION)

@@ -56,12 +56,15 @@ def helper_ids(initial_peers: Sequence[str], servers: Sequence[str], me: str, k:
     return [PeerID.from_base58(p) for p in chosen]
 
 
-async def self_test(sdht: SwarmDHT, initial_peers: Sequence[str], n_stages: int, host: str, port: int) -> SelfTest:
-    """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us)."""
+async def self_test(
+    sdht: SwarmDHT, initial_peers: Sequence[str], n_stages: int, host: str, port: int, tls_cert: str = ""
+) -> SelfTest:
+    """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us; `tls_cert`: over
+    TLS, trusting that certificate)."""
     found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
     servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries if e.record.p2p_id]
     helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
-    result = await check_reachability(await sdht.p2p(), helpers, host, port)
+    result = await check_reachability(await sdht.p2p(), helpers, host, port, tls_cert)
     if not is_unspecified(host):
         return SelfTest(result, host)
     # where they see us, even if they could not dial us there: the address to fix, and to announce meanwhile

@@ -31,6 +31,7 @@ from swarm.model import Stage
 from swarm.net import is_unspecified
 from swarm.protocol.reach import ReachResponder
 from swarm.protocol.rpc import SERVICE, start_stage_server
+from swarm.protocol.tls import ServerTls
 
 logger = logging.getLogger("swarm.server")
 
@@ -92,6 +93,7 @@ class StageServer:
         self._endpoint: Endpoint | None = None
         self._counted = (time.monotonic(), 0)  # (when, samples processed) at the last snapshot
         self.seen_host: str | None = None  # where the swarm's peers see us (reachability self-test)
+        self.tls = ServerTls.from_config(cfg.tls)
 
     @property
     def active(self) -> ActiveStage:
@@ -134,6 +136,7 @@ class StageServer:
             param_version=self.worker.param_version,
             joined_at=self.joined_at,
             ready=ready,
+            tls_cert=self.tls.cert_pem if self.tls else "",
         )
 
     async def check_reachability(self) -> None:
@@ -142,7 +145,8 @@ class StageServer:
         net = self.cfg.network
         host = net.announce_host or net.host
         port = net.announce_port or self.endpoint.port
-        test = await self_test(self.sdht, net.initial_peers, self.model_cfg.n_stages, host, port)
+        cert = self.tls.cert_pem if self.tls else ""
+        test = await self_test(self.sdht, net.initial_peers, self.model_cfg.n_stages, host, port, cert)
         if test.host and test.host != host:
             self.seen_host = test.host
             logger.info("announcing %s: the address the swarm's peers see us at", test.host)
@@ -192,8 +196,12 @@ class StageServer:
         if self._endpoint is None:
             service = StageService(worker, self.active.schema, collab, cfg.guard)
             server, health_servicer, port = await start_stage_server(
-                service.handler(), cfg.network.host, cfg.network.port
+                service.handler(), cfg.network.host, cfg.network.port, self.tls
             )
+            if self.tls is not None:
+                logger.info(
+                    "serving TLS; certificate sha256 %s (pinned by callers from our record)", self.tls.fingerprint
+                )
             self._endpoint = Endpoint(server, health_servicer, port, service)
             service.p2p_id = self.sdht.p2p_id
             await ReachResponder(await self.sdht.p2p()).start()  # every server checks others' reachability

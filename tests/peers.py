@@ -3,6 +3,7 @@ bootstrap DHT node of their own. For tests that need peers of one stage without 
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -20,6 +21,7 @@ from server.config import (
 )
 from server.stage_server import StageServer
 from swarm.config import model_config
+from swarm.protocol.tls import TlsConfig
 
 MODEL = model_config("local_debug", d_model=32, n_heads=2, d_ff=64, max_seq_len=16, n_stages=2, layers_per_stage=1)
 TIMEOUT = 3.0  # --averaging-timeout
@@ -43,11 +45,16 @@ async def hide_from_state_sharing(server: StageServer) -> None:
     assert await asyncio.get_running_loop().run_in_executor(None, store)
 
 
-async def start_server(initial_peers: list[str], **averaging) -> StageServer:
-    """A peer of stage 0; `averaging`: AveragingConfig fields other than the tests' defaults."""
+async def start_server(
+    initial_peers: list[str], network: dict | None = None, tls: TlsConfig | None = None, **averaging
+) -> StageServer:
+    """A peer of stage 0; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the tests'
+    defaults."""
     loop = asyncio.get_running_loop()
     sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
-    server = StageServer(server_config(initial_peers, **averaging), MODEL, sdht, torch.device("cpu"))
+    cfg = server_config(initial_peers, **averaging)
+    cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, **(network or {})), tls=tls or TlsConfig())
+    server = StageServer(cfg, MODEL, sdht, torch.device("cpu"))
     await server.enter(0)
     return server
 

@@ -1,23 +1,20 @@
 """Reachability checks over libp2p (swarm/protocol/reach.py): real DHT nodes, a real gRPC Stage service to dial."""
 
 import asyncio
-import dataclasses
 import functools
 import logging
 
 import pytest
-import torch
 
-from dht.node import SwarmDHT, start_dht
+from dht.node import start_dht
 from server.reachability import helper_ids
-from server.stage_server import StageServer
 from swarm.net import join_host_port, listen_multiaddrs
 from swarm.protocol import reach
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.reach import HANDLER, ReachResponder, check_reachability
-from swarm.protocol.rpc import stage_handler, start_stage_server
+from swarm.protocol.rpc import StageStub, aio_channel, stage_handler, start_stage_server
 from tests.conftest import free_port
-from tests.peers import MODEL, SWARM, server_config, stage_servers, start_server
+from tests.peers import stage_servers, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -167,13 +164,10 @@ async def test_a_server_reports_that_the_swarm_can_reach_it(caplog):
 
 async def test_a_server_on_ipv6_loopback_serves_and_announces_a_bracketed_address():
     async with stage_servers() as (peers, servers):
-        loop = asyncio.get_running_loop()
-        sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, peers)
-        cfg = server_config(peers)
-        cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, host="::1"))
-        server = StageServer(cfg, MODEL, sdht, torch.device("cpu"))
+        server = await start_server(peers, network=dict(host="::1"))
         servers.append(server)
-        await server.enter(0)
         assert server.record().address == f"[::1]:{server.endpoint.port}"
-        entries = await sdht.discover(0)
+        entries = await server.sdht.discover(0)
         assert [e.record.address for e in entries] == [f"[::1]:{server.endpoint.port}"]
+        async with aio_channel(server.record().address) as channel:
+            assert (await StageStub(channel).info(pb.InfoRequest(), timeout=5)).p2p_id == server.sdht.p2p_id

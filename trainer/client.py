@@ -7,13 +7,12 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from swarm.compression import WIRE_TO_DTYPE, CompressionPolicy, TensorRole, role_of
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Limits, iter_frames, read_call
-from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 from swarm.protocol.tensors import (
     FP16_MAX,
     EncodedTensor,
@@ -67,16 +66,9 @@ class StageClient:
         gradient codec only for the last share of each global batch (CallMeta.reply_epilogue)."""
         self.policy, self.stats, self.max_activation = policy, stats, max_activation
         self.backward_epilogue = backward_epilogue
-        self.channels: dict[str, grpc.aio.Channel] = {}
-        self.stubs: dict[str, StageStub] = {}
+        self.channels = Channels()
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
         self.reply_limits = Limits(max_tensor_bytes, frozenset({"outputs", "grad_inputs"}))
-
-    def _stub(self, address: str) -> StageStub:
-        if address not in self.channels:
-            self.channels[address] = aio_channel(address)
-            self.stubs[address] = StageStub(self.channels[address])
-        return self.stubs[address]
 
     async def call(
         self,
@@ -124,7 +116,7 @@ class StageClient:
         if method == "Backward" and reply_codec.gradients_only and self.backward_epilogue < 1:
             meta.reply_epilogue = self.backward_epilogue
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
-        call = self._stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
+        call = self.channels.stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         enc: EncodedTensor | None = None
         if expect_shape is not None and not reply.tensors:
@@ -147,6 +139,5 @@ class StageClient:
         return StageReply(encoded=enc, loss=loss, param_version=reply.meta.param_version, admission=admitted)
 
     async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close()
+        await self.channels.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -20,7 +20,7 @@ import grpc
 from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 
 logger = logging.getLogger(__name__)
 UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
@@ -42,7 +42,7 @@ class StagePeers:
         # UNREACHABLE_HOLD_S pass; `held` keeps the addresses the DHT lists for them meanwhile
         self._unreachable: dict[str, float] = {}
         self.held: dict[str, str] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
 
@@ -135,10 +135,8 @@ class StagePeers:
         await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
 
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
-        if address not in self._channels:
-            self._channels[address] = aio_channel(address)
         try:
-            await StageStub(self._channels[address]).progress(msg, timeout=self.peer_timeout)
+            await self._channels.stub(address).progress(msg, timeout=self.peer_timeout)
         except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
                 logger.debug("stage peer %s does not list us yet", address)
@@ -150,9 +148,7 @@ class StagePeers:
                 self._unreachable[peer_id] = time.monotonic()
                 self.held[peer_id] = address
             self.view.pop(peer_id, None)
-            channel = self._channels.pop(address, None)
-            if channel is not None:
-                await channel.close()
+            await self._channels.drop(address)
 
     # --- queries (any thread: they copy what the event loop updates) -----------------------------------------------
 
@@ -208,5 +204,4 @@ class StagePeers:
             del self._admitted[old]
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()

@@ -22,6 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarm.net import is_unspecified, join_host_port
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, aio_channel
+from swarm.protocol.tls import valid_cert
 
 logger = logging.getLogger(__name__)
 HANDLER = "swarm.v1.Reach"
@@ -42,9 +43,10 @@ def host_of(maddr: Multiaddr) -> str | None:
     return None
 
 
-async def dial_back(host: str, port: int, expected_p2p_id: str) -> tuple[bool, str]:
-    """One Info call to host:port: (True, "") if it answered naming `expected_p2p_id`, else (False, why)."""
-    channel = aio_channel(join_host_port(host, port))
+async def dial_back(host: str, port: int, expected_p2p_id: str, tls_cert: str = "") -> tuple[bool, str]:
+    """One Info call to host:port (over TLS trusting `tls_cert` alone, if given): (True, "") if it answered naming
+    `expected_p2p_id`, else (False, why)."""
+    channel = aio_channel(join_host_port(host, port), tls_cert)
     try:
         reply = await StageStub(channel).info(pb.InfoRequest(), timeout=DIAL_TIMEOUT_S)
     except grpc.aio.AioRpcError as e:
@@ -59,7 +61,7 @@ async def dial_back(host: str, port: int, expected_p2p_id: str) -> tuple[bool, s
 class ReachResponder:
     """Answers ReachRequests on a P2P instance (a DHT node's replica: `await dht.replicate_p2p()`)."""
 
-    def __init__(self, p2p: P2P, dial: Callable[[str, int, str], Awaitable[tuple[bool, str]]] = dial_back):
+    def __init__(self, p2p: P2P, dial: Callable[[str, int, str, str], Awaitable[tuple[bool, str]]] = dial_back):
         self.p2p, self.dial = p2p, dial
         self._last: dict[PeerID, float] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
@@ -75,13 +77,17 @@ class ReachResponder:
         if len(self._last) >= 4096:
             self._last = {p: t for p, t in self._last.items() if now - t < MIN_INTERVAL_S}
         self._last[asker] = now
-        if not 0 < request.port < 65536 or len(request.host) > MAX_HOST_CHARS:
+        if (
+            not 0 < request.port < 65536
+            or len(request.host) > MAX_HOST_CHARS
+            or (request.tls_cert and not valid_cert(request.tls_cert))
+        ):
             return pb.ReachReply(detail="malformed request")
         host = request.host if not is_unspecified(request.host) else await self._observed_host(asker)
         if host is None:
             return pb.ReachReply(detail="no direct connection to the asker (relayed?)")
         async with self._slots:
-            reachable, detail = await self.dial(host, request.port, asker.to_base58())
+            reachable, detail = await self.dial(host, request.port, asker.to_base58(), request.tls_cert)
         dialled = join_host_port(host, request.port)
         logger.debug("reach check for %s: %s %s", asker, dialled, "reachable" if reachable else detail)
         return pb.ReachReply(reachable=reachable, dialled=dialled, detail=detail)
@@ -113,11 +119,13 @@ class Reachability:
         return bool(self.reachable or self.unreachable)
 
 
-async def check_reachability(p2p: P2P, helpers: Sequence[PeerID], host: str, port: int) -> Reachability:
+async def check_reachability(
+    p2p: P2P, helpers: Sequence[PeerID], host: str, port: int, tls_cert: str = ""
+) -> Reachability:
     """Ask each of `helpers` (not us) to dial our Stage service at host:port (`host` unspecified: at the address it
     sees us at). Never raises: a helper that does not answer, or could not check (busy, no direct connection to us),
     counts in neither list."""
-    request = pb.ReachRequest(host="" if is_unspecified(host) else host, port=port)
+    request = pb.ReachRequest(host="" if is_unspecified(host) else host, port=port, tls_cert=tls_cert)
 
     async def ask(peer: PeerID) -> pb.ReachReply | None:
         try:

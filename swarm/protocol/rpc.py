@@ -7,6 +7,7 @@ and parses them); the unary methods use the protobuf messages of wire.proto.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.net import join_host_port
 from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
 logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 4  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs
@@ -48,13 +50,55 @@ SERVER_OPTIONS = [
 SERVICE = "swarm.v1.Stage"
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def aio_channel(address: str, cert_pem: str | None = None) -> grpc.aio.Channel:
+    """Over TLS trusting `cert_pem` alone if given, else the certificate the DHT record of `address` pinned (plaintext
+    if it pinned none: swarm/protocol/tls.py)."""
+    cert = PINS.get(address, "") if cert_pem is None else cert_pem
+    if not cert:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials, options = pinned_channel_args(cert)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS + options)
 
 
 def sync_channel(address: str) -> grpc.Channel:
-    """For tools and benchmarks that poll from a thread."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """For tools and benchmarks that poll from a thread; trusts what `aio_channel` trusts."""
+    if not (cert := PINS.get(address, "")):
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials, options = pinned_channel_args(cert)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS + options)
+
+
+class Channels:
+    """One channel per address, opened again when the address's pinned certificate changed (a restarted server with a
+    new self-signed certificate)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[str, grpc.aio.Channel, StageStub]] = {}
+
+    def stub(self, address: str) -> StageStub:
+        cert = PINS.get(address, "")
+        held = self._open.get(address)
+        if held is None or held[0] != cert:
+            if held is not None:  # its calls fail; the replacement trusts the new certificate
+                asyncio.get_running_loop().create_task(held[1].close())
+            channel = aio_channel(address, cert)
+            held = self._open[address] = (cert, channel, StageStub(channel))
+        return held[2]
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._open
+
+    def addresses(self) -> set[str]:
+        return set(self._open)
+
+    async def drop(self, address: str) -> None:
+        held = self._open.pop(address, None)
+        if held is not None:
+            await held[1].close()
+
+    async def close(self) -> None:
+        for address in list(self._open):
+            await self.drop(address)
 
 
 class StageStub:
@@ -117,20 +161,22 @@ def aio_server() -> grpc.aio.Server:
     return grpc.aio.server(options=SERVER_OPTIONS)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on host:port (0: any free port); returns the bound port."""
+def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
+    """Listen on host:port (0: any free port), over TLS if `tls`; returns the bound port."""
+    if tls is not None:
+        return server.add_secure_port(join_host_port(host, port), tls.credentials())
     return server.add_insecure_port(join_host_port(host, port))
 
 
 async def start_stage_server(
-    handler: grpc.GenericRpcHandler, host: str, port: int
+    handler: grpc.GenericRpcHandler, host: str, port: int, tls: ServerTls | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Start the stage service and the standard grpc.health.v1 service; returns them and the bound port."""
     server = aio_server()
     server.add_generic_rpc_handlers([handler])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, tls)
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

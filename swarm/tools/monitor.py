@@ -31,7 +31,7 @@ from dht.node import SwarmDHT
 from dht.records import PeerEntry
 from swarm.cli import add_config_args, add_config_file_arg, config_from_args, parse_args
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 
 logger = logging.getLogger("swarm.monitor")
 
@@ -252,7 +252,7 @@ class Monitor:
     def __init__(self, cfg: MonitorConfig, sdht: SwarmDHT):
         self.cfg, self.sdht = cfg, sdht
         self.view = SwarmView(cfg.history)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
 
     async def poll_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -278,8 +278,8 @@ class Monitor:
         infos = await asyncio.gather(*(self._info(e) for e in entries))
         peers = [peer_view(e, info) for e, info in zip(entries, infos, strict=True)]
         self.view.update(time.monotonic(), n_stages, peers)
-        for address in set(self._channels) - {e.record.address for e in entries}:
-            await self._channels.pop(address).close()
+        for address in self._channels.addresses() - {e.record.address for e in entries}:
+            await self._channels.drop(address)
 
     async def _n_stages(self) -> int:
         """From the model settings in stage 0's records (what the servers announce), else as last seen."""
@@ -293,17 +293,14 @@ class Monitor:
         if not entry.record.ready:
             return None
         address = entry.record.address
-        if address not in self._channels:
-            self._channels[address] = aio_channel(address)
         try:
-            return await StageStub(self._channels[address]).info(pb.InfoRequest(), timeout=self.cfg.info_timeout)
+            return await self._channels.stub(address).info(pb.InfoRequest(), timeout=self.cfg.info_timeout)
         except grpc.aio.AioRpcError as e:
             logger.debug("Info of %s failed: %s", address, e.code())
             return None
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
 
 def build_app(monitor: Monitor) -> web.Application:
