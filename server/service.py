@@ -116,6 +116,7 @@ class StageService:
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
         self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
         self.p2p_id = ""  # the server's libp2p id, in Info (a reachability check dialling back matches it)
+        self.transport = "grpc"  # how callers reach it: "grpc", or "grpc+tls"
         self.max_read_s = MAX_READ_S
         self.traffic = WireStats()  # stage calls' tensors received and sent (written on the compute thread)
         self.losses: deque[float] = deque(maxlen=LOSS_WINDOW)  # last stage: its recent backwards' losses
@@ -208,7 +209,7 @@ class StageService:
             rounds_failed=self.collab.rounds_failed,
             moves=self.moves,
             state_downloads=self.collab.state_downloads,
-            transport="grpc",
+            transport=self.transport,
             p2p_id=self.p2p_id,
         )
 

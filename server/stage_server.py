@@ -204,6 +204,7 @@ class StageServer:
                 )
             self._endpoint = Endpoint(server, health_servicer, port, service)
             service.p2p_id = self.sdht.p2p_id
+            service.transport = "grpc+tls" if self.tls else "grpc"
             await ReachResponder(await self.sdht.p2p()).start()  # every server checks others' reachability
             if cfg.network.check_reachability:
                 await self.check_reachability()

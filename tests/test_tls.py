@@ -45,7 +45,7 @@ async def test_tls_peers_pin_each_others_certificates_and_refuse_anything_else(c
         channels = Channels()  # what trainers, stage peers and the monitor use: trusts the pinned certificate
         try:
             reply = await channels.stub(address).info(pb.InfoRequest(), timeout=5)
-            assert reply.p2p_id == a.sdht.p2p_id
+            assert reply.p2p_id == a.sdht.p2p_id and reply.transport == "grpc+tls"
         finally:
             await channels.close()
 
