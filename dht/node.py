@@ -104,8 +104,8 @@ class SwarmDHT:
         """A handle on our DHT node's libp2p daemon in this process (for handlers and calls of our own); the same one
         on every call."""
         if self._p2p is None:
-            maddr = await asyncio.to_thread(self.dht.run_coroutine, hivemind.DHT._get_p2p_daemon_listen_maddr)
-            self._p2p = await P2P.replicate(maddr)
+            future = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr, return_future=True)
+            self._p2p = await P2P.replicate(await asyncio.wait_for(future, self.timeout))
         return self._p2p
 
     async def close_p2p(self) -> None:

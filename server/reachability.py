@@ -35,10 +35,11 @@ class SelfTest:
             return f"reachable: {len(r.reachable)} of {r.asked} swarm peers asked dialled our Stage service at {where}"
         if not r.answered:
             return f"could not check whether the swarm can reach us: none of {r.asked} peers asked could check"
+        failures = "; ".join(f"{where}: {why}" for where, why in r.unreachable)
         return (
             f"NOT reachable: {len(r.unreachable)} of {r.asked} swarm peers could not dial our Stage service "
-            f"({'; '.join(f'{where}: {why}' for where, why in r.unreachable)}). Trainers and stage peers cannot call this server. Forward TCP port {port} "
-            f"to this machine, or pass {flags} with an address that reaches it"
+            f"({failures}). Trainers and stage peers cannot call this server. Forward TCP port {port} to this "
+            f"machine, or pass {flags} with an address that reaches it"
         )
 
 
@@ -51,9 +52,14 @@ def helper_ids(initial_peers: Sequence[str], servers: Sequence[str], me: str, k:
             ids.add(Multiaddr(maddr).value_for_protocol("p2p"))
         except Exception:  # a multiaddr without /p2p/, or malformed: the DHT already said so at start
             continue
-    ids.discard(me)
-    chosen = random.sample(sorted(ids), min(k, len(ids)))
-    return [PeerID.from_base58(p) for p in chosen]
+    ids -= {me, ""}
+    valid = {}
+    for p in ids:  # a record's p2p_id is whatever its owner wrote
+        try:
+            valid[p] = PeerID.from_base58(p)
+        except ValueError:
+            logger.debug("skipping a malformed libp2p id %r", p[:64])
+    return [valid[p] for p in random.sample(sorted(valid), min(k, len(valid)))]
 
 
 async def self_test(
@@ -62,7 +68,7 @@ async def self_test(
     """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us; `tls_cert`: over
     TLS, trusting that certificate)."""
     found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
-    servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries if e.record.p2p_id]
+    servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries]
     helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
     result = await check_reachability(await sdht.p2p(), helpers, host, port, tls_cert)
     if not is_unspecified(host):

@@ -11,7 +11,7 @@ from server.reachability import helper_ids
 from swarm.net import join_host_port, listen_multiaddrs
 from swarm.protocol import reach
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.reach import HANDLER, ReachResponder, check_reachability
+from swarm.protocol.reach import HANDLER, ReachResponder, check_reachability, is_local, valid_host
 from swarm.protocol.rpc import StageStub, aio_channel, stage_handler, start_stage_server
 from tests.conftest import free_port
 from tests.peers import stage_servers, start_server
@@ -82,8 +82,12 @@ async def test_a_helper_dials_back_and_confirms_only_the_asker(nodes):
         pb.ReachRequest(host="127.0.0.1", port=70000),
         pb.ReachRequest(host="127.0.0.1", port=-1),
         pb.ReachRequest(host="h" * 10_000, port=5000),
+        pb.ReachRequest(host="unix:/tmp/some.sock", port=5000),
+        pb.ReachRequest(host="ipv4:127.0.0.1", port=5000),
+        pb.ReachRequest(host="a..b", port=5000),
+        pb.ReachRequest(host="127.0.0.1", port=5000, tls_cert="-----BEGIN CERTIFICATE-----\ngarbage"),
     ],
-    ids=["port-0", "port-70000", "port-negative", "huge-host"],
+    ids=["port-0", "port-70000", "port-negative", "huge-host", "unix-target", "grpc-scheme", "empty-label", "bad-cert"],
 )
 async def test_malformed_requests_get_a_short_refusal_and_no_dial(nodes, request_):
     helper, asker, _ = nodes
@@ -135,8 +139,24 @@ async def test_a_helper_without_the_handler_or_gone_counts_as_unasked(nodes):
 
 def test_helpers_come_from_bootstrap_multiaddrs_and_server_records_never_ourselves():
     boot = "12D3KooWQBv7jYsoiBwtMEDheLC67AMsVz8ACyUyNkCeSgHDt1o1"  # a real libp2p id
-    ids = helper_ids([f"/ip4/10.0.0.1/tcp/31337/p2p/{boot}", "/ip4/10.0.0.2/tcp/1", "garbage"], ["me"], "me", k=5)
+    ids = helper_ids(
+        [f"/ip4/10.0.0.1/tcp/31337/p2p/{boot}", "/ip4/10.0.0.2/tcp/1", "garbage"],
+        ["me", "not-a-peer-id", ""],
+        "me",
+        k=5,
+    )
     assert [i.to_base58() for i in ids] == [boot]
+
+
+def test_hosts_a_responder_dials_are_names_or_addresses_and_its_loopback_only_for_local_askers():
+    for good in ("example.org", "node-1.swarm.example.", "10.0.0.1", "2001:db8::1", "[::1]"):
+        assert valid_host(good), good
+    for bad in ("unix:/tmp/x", "ipv4:1.2.3.4", "dns:///x", "a..b", "-a.b", "x y", "h" * 254, "a" * 64 + ".org", ""):
+        assert not valid_host(bad), bad
+    for local in ("127.0.0.1", "127.8.0.1", "::1", "localhost", "169.254.1.1", "fe80::1"):
+        assert is_local(local), local
+    for remote in ("10.0.0.1", "203.0.113.7", "example.org", "2001:db8::1"):
+        assert not is_local(remote), remote
 
 
 def test_dual_stack_listens_on_both_families_and_ipv6_addresses_are_bracketed():

@@ -4,13 +4,17 @@ asks a few of them to dial its Stage service back.
 
 A node dials what it is asked only once per asker per `MIN_INTERVAL_S`, at most `MAX_CONCURRENT` at a time, with one
 Info call of `DIAL_TIMEOUT_S`, and says "reachable" only if the reply names the asker's own libp2p id: it cannot be
-made to vouch for a third party, and answers only "yes", "no" or a short reason, never what it found there.
+made to vouch for a third party, and answers only "yes", "no" or a short reason, never what it found there. It dials
+an IP address or a DNS name only (no gRPC target schemes such as "unix:"), and its own machine's loopback only for an
+asker on that machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ import grpc
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.net import is_unspecified, join_host_port
+from swarm.net import ip_version, is_unspecified, join_host_port
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, aio_channel
 from swarm.protocol.tls import valid_cert
@@ -29,7 +33,8 @@ HANDLER = "swarm.v1.Reach"
 DIAL_TIMEOUT_S = 3.0
 MIN_INTERVAL_S = 10.0
 MAX_CONCURRENT = 4
-MAX_HOST_CHARS = 255
+MAX_HOST_CHARS = 253
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # one dot-separated part of a DNS name
 ASK_TIMEOUT_S = 2 * DIAL_TIMEOUT_S + 2.0  # the node's dial plus libp2p's round trips
 
 
@@ -79,13 +84,16 @@ class ReachResponder:
         self._last[asker] = now
         if (
             not 0 < request.port < 65536
-            or len(request.host) > MAX_HOST_CHARS
+            or not (is_unspecified(request.host) or valid_host(request.host))
             or (request.tls_cert and not valid_cert(request.tls_cert))
         ):
             return pb.ReachReply(detail="malformed request")
-        host = request.host if not is_unspecified(request.host) else await self._observed_host(asker)
+        observed = await self._observed_host(asker)
+        host = observed if is_unspecified(request.host) else request.host
         if host is None:
             return pb.ReachReply(detail="no direct connection to the asker (relayed?)")
+        if is_local(host) and not (observed is not None and is_local(observed)):
+            return pb.ReachReply(detail="a remote asker's address cannot be on this machine")
         async with self._slots:
             reachable, detail = await self.dial(host, request.port, asker.to_base58(), request.tls_cert)
         dialled = join_host_port(host, request.port)
@@ -99,6 +107,25 @@ class ReachResponder:
                     if (host := host_of(maddr)) is not None:
                         return host
         return None
+
+
+def valid_host(host: str) -> bool:
+    """An IP address or a DNS name: never a gRPC target scheme ("unix:...", "ipv4:...") or anything else."""
+    if ip_version(host) is not None:
+        return True
+    labels = host.removesuffix(".").split(".")
+    return 0 < len(host) <= MAX_HOST_CHARS and all(_LABEL.fullmatch(label) for label in labels)
+
+
+def is_local(host: str) -> bool:
+    """This machine's own addresses: loopback (and link-local, which only neighbours could mean)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_link_local
 
 
 @dataclass(frozen=True)

@@ -74,19 +74,19 @@ class Channels:
 
     def __init__(self) -> None:
         self._open: dict[str, tuple[str, grpc.aio.Channel, StageStub]] = {}
+        self._closing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     def stub(self, address: str) -> StageStub:
         cert = PINS.get(address, "")
         held = self._open.get(address)
         if held is None or held[0] != cert:
             if held is not None:  # its calls fail; the replacement trusts the new certificate
-                asyncio.get_running_loop().create_task(held[1].close())
+                task = asyncio.get_running_loop().create_task(held[1].close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             channel = aio_channel(address, cert)
             held = self._open[address] = (cert, channel, StageStub(channel))
         return held[2]
-
-    def __contains__(self, address: str) -> bool:
-        return address in self._open
 
     def addresses(self) -> set[str]:
         return set(self._open)
