@@ -71,10 +71,6 @@ def flag_of(config: type, name: str):
     return field(default=source.default, metadata=source.metadata)
 
 
-def averaging_flag(name: str):
-    return flag_of(AveragingConfig, name)
-
-
 @dataclass(kw_only=True)
 class LocalConfig:
     """What to start. The training knobs here default to `swarm-server`'s and `swarm-trainer`'s own defaults (read from
@@ -101,12 +97,12 @@ class LocalConfig:
     )
     lr: float = field(default=OptimizerConfig.lr, metadata={"help": "servers' learning rate"})
     # the servers' stage-averaging flags, as swarm-server has them (default, help, choices)
-    allreduce_codec: str = averaging_flag("allreduce_codec")
-    allreduce_rank: int = averaging_flag("allreduce_rank")
-    allreduce_warmup_epochs: int = averaging_flag("allreduce_warmup_epochs")
-    allreduce_error_feedback: bool = averaging_flag("allreduce_error_feedback")
-    allreduce_query_reuse: bool = averaging_flag("allreduce_query_reuse")
-    allreduce_compress_stages: str = averaging_flag("allreduce_compress_stages")
+    allreduce_codec: str = flag_of(AveragingConfig, "allreduce_codec")
+    allreduce_rank: int = flag_of(AveragingConfig, "allreduce_rank")
+    allreduce_warmup_epochs: int = flag_of(AveragingConfig, "allreduce_warmup_epochs")
+    allreduce_error_feedback: bool = flag_of(AveragingConfig, "allreduce_error_feedback")
+    allreduce_query_reuse: bool = flag_of(AveragingConfig, "allreduce_query_reuse")
+    allreduce_compress_stages: str = flag_of(AveragingConfig, "allreduce_compress_stages")
     delay_optimizer_step: bool = field(
         default=EpochConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
