@@ -114,11 +114,23 @@ def test_slowdown_3_gives_a_third_of_the_throughput_on_a_real_stage(one_thread):
     load, each at its best: the slowed worker's highest reported throughput (its EMA over calls that were not slowed
     further by contention) against the unslowed one's fastest forward + backward, timed here. The ratio is 1/3; +-30%
     still fails on no slowdown (1), slowdown - 1 (1/2) or slowdown applied twice (1/9). Needs a machine on which the
-    stage's work stays under 3x its fastest time for a few calls in a row."""
+    stage's work stays under 3x its fastest time for a few calls in a row: a second pair of fresh workers measures
+    again if the first lands outside (seen once in CI at 0.232, noise in the slowed worker's own fastest time); every
+    wrong slowdown above misses the range in both."""
     torch.manual_seed(0)
     cfg = tiny_test()
-    slow, plain = worker(3.0, cfg.n_stages - 1), worker(1.0, cfg.n_stages - 1)
     inputs, labels = torch.randn(8, cfg.max_seq_len, cfg.d_model), torch.randint(0, cfg.vocab_size, (8, 16))
+    ratios = []
+    for _ in range(2):
+        ratios.append(slowdown_ratio(cfg, inputs, labels))
+        if 0.7 / 3 < ratios[-1] < 1.3 / 3:
+            return
+    raise AssertionError(f"slowdown 3: {ratios} of the throughput at slowdown 1, expected 1/3 +- 30%")
+
+
+def slowdown_ratio(cfg, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """The slowed worker's best throughput against the plain one's fastest backward (see the test)."""
+    slow, plain = worker(3.0, cfg.n_stages - 1), worker(1.0, cfg.n_stages - 1)
     fastest = {"forward": float("inf"), "backward": float("inf")}
     best_slow = 0.0
     try:
@@ -134,8 +146,7 @@ def test_slowdown_3_gives_a_third_of_the_throughput_on_a_real_stage(one_thread):
             end = time.perf_counter()
             fastest["forward"] = min(fastest["forward"], middle - start)
             fastest["backward"] = min(fastest["backward"], end - middle)
-        ratio = best_slow * fastest["backward"] / len(inputs)  # the last stage's work: its backward (with the loss)
-        assert 0.7 / 3 < ratio < 1.3 / 3, f"slowdown 3: {ratio:.3f} of the throughput at slowdown 1"
+        return best_slow * fastest["backward"] / len(inputs)  # the last stage's work: its backward (with the loss)
     finally:
         slow.shutdown()
         plain.shutdown()
