@@ -161,7 +161,7 @@ class SwarmDHT:
                 self._report(fingerprint(owner), stage, "; ".join(differ))
                 continue
             if record.online and item.expiration_time > now and (record.ready or include_pending):
-                entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time))
+                entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time, owner))
                 pin(record.address, record.tls_cert)  # our channels to it trust what its signed record says
         return entries
 

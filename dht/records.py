@@ -120,9 +120,10 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class PeerEntry:
-    peer_id: str
+    peer_id: str  # the fingerprint of `public_key`
     record: ServerRecord
     expiration: float
+    public_key: bytes = b""  # the key that signed the record (its owner subkey's)
 
 
 class StageRecordValidator(RecordValidatorBase):

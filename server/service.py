@@ -21,6 +21,7 @@ import torch
 
 from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Collaboration, ProgressRefused
+from server.collab.tickets import Ticket, TicketRefused
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
@@ -227,17 +228,17 @@ class StageService:
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
             call = await self._read(raw_frames, limits, deadline)
-            tag = None
+            ticket = None
+            n = self._samples(call)
             if self.schema.is_first and not backward and not call.meta.inference:
-                n = self._samples(call)
-                tag = await collab.admit(n, deadline)  # the global batch this microbatch joins
-            elif call.meta.HasField("admitted_at"):
-                await collab.observe(call.meta.admitted_at)
+                ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
+            else:
+                await collab.observe(call.meta, n, backward)  # checks the admission the call carries
             try:
-                reply = await worker.submit(lambda: self._compute(call, backward, tag), deadline, request=True)
+                reply = await worker.submit(lambda: self._compute(call, backward, ticket), deadline, request=True)
             except BaseException:
-                if tag is not None:  # admitted but never computed: it will not come back
-                    collab.release(tag[0], n)
+                if ticket is not None:  # admitted but never computed: it will not come back
+                    collab.release(ticket.global_batch, n)
                 raise
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
@@ -247,6 +248,10 @@ class StageService:
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except AdmissionRefused as e:
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except TicketRefused as e:
+            self.requests_rejected += 1
+            logger.warning("refused %s: %s", "Backward" if backward else "Forward", _short(str(e)))
+            await refuse(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
         except Busy as e:
             self.requests_busy += 1
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -314,7 +319,7 @@ class StageService:
         _expect(1 <= n <= self.schema.max_batch, f"batch {n} outside [1, {self.schema.max_batch}]")
         return n
 
-    def _compute(self, call: Call, backward: bool, tag: tuple[int, int] | None = None) -> list[bytes]:
+    def _compute(self, call: Call, backward: bool, ticket: Ticket | None = None) -> list[bytes]:
         """Compute thread: decode, validate, run, encode. Raises WireError before touching the model on bad input."""
         meta, device, schema = call.meta, self.worker.device, self.schema
         _expect(meta.stage == schema.stage, f"this server serves stage {schema.stage}, the call is for {meta.stage}")
@@ -365,6 +370,7 @@ class StageService:
         for enc in tensors:
             self.traffic.add(role_of(enc.header.name, WIRE_TO_DTYPE[enc.header.dtype]), enc)
         reply_meta.param_version, reply_meta.queue_length = self.worker.param_version, self.worker.queue_length
-        if tag is not None:  # stage 0 admitted this microbatch: its later calls carry where it belongs
-            reply_meta.global_batch, reply_meta.admitted_at = tag
+        if ticket is not None:  # stage 0 admitted this microbatch: its later calls carry where it belongs
+            reply_meta.global_batch, reply_meta.admitted_at = ticket.global_batch, ticket.admitted_at
+            reply_meta.admitted_by, reply_meta.admission_signature = ticket.signer, ticket.signature
         return list(iter_frames(reply_meta, tensors))

@@ -46,16 +46,16 @@ async def hide_from_state_sharing(server: StageServer) -> None:
 
 
 async def start_server(
-    initial_peers: list[str], network: dict | None = None, tls: TlsConfig | None = None, **averaging
+    initial_peers: list[str], network: dict | None = None, tls: TlsConfig | None = None, stage: int = 0, **averaging
 ) -> StageServer:
-    """A peer of stage 0; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the tests'
+    """A peer of `stage`; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the tests'
     defaults."""
     loop = asyncio.get_running_loop()
     sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
     cfg = server_config(initial_peers, **averaging)
     cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, **(network or {})), tls=tls or TlsConfig())
     server = StageServer(cfg, MODEL, sdht, torch.device("cpu"))
-    await server.enter(0)
+    await server.enter(stage)
     return server
 
 

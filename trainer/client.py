@@ -27,11 +27,13 @@ from swarm.protocol.tensors import (
 
 @dataclass(frozen=True)
 class Admission:
-    """Where stage 0 put a microbatch: its global batch, and stage 0's epoch at the time. Every later call of the
-    microbatch carries it."""
+    """Where stage 0 put a microbatch: its global batch, and stage 0's epoch at the time, signed by the stage-0 peer
+    that admitted it. Every later call of the microbatch carries it as it came (stages check the signature)."""
 
     global_batch: int
     admitted_at: int
+    signer: str = ""
+    signature: bytes = b""
 
 
 @dataclass
@@ -113,6 +115,7 @@ class StageClient:
         )
         if admission is not None:
             meta.global_batch, meta.admitted_at = admission.global_batch, admission.admitted_at
+            meta.admitted_by, meta.admission_signature = admission.signer, admission.signature
         if method == "Backward" and reply_codec.gradients_only and self.backward_epilogue < 1:
             meta.reply_epilogue = self.backward_epilogue
         # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
@@ -135,7 +138,8 @@ class StageClient:
             raise WireError(f"stage {stage} replied with loss {loss}")
         admitted = None
         if reply.meta.HasField("global_batch") and reply.meta.HasField("admitted_at"):
-            admitted = Admission(reply.meta.global_batch, reply.meta.admitted_at)
+            meta = reply.meta
+            admitted = Admission(meta.global_batch, meta.admitted_at, meta.admitted_by, meta.admission_signature)
         return StageReply(encoded=enc, loss=loss, param_version=reply.meta.param_version, admission=admitted)
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from server.collab.lowrank import AcpState
+from server.collab.tickets import Ticket
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy
 from swarm.protocol import wire_pb2 as pb
@@ -72,13 +73,14 @@ class Collaboration(Protocol):
 
     async def after_backward(self) -> None: ...
 
-    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
         """Stage 0, before a Forward of `n` samples that a Backward will follow: wait for room in a global batch.
-        Returns (the global batch it joins, the epoch now)."""
+        Returns the global batch it joins and the epoch now, signed for the microbatch's later calls."""
         ...
 
-    async def observe(self, admitted_at: int) -> None:
-        """Before any call of a microbatch that stage 0 admitted at its epoch `admitted_at`."""
+    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+        """Before every call but stage 0's admissions: check the admission the call carries (raises TicketRefused) and
+        act on it."""
         ...
 
     def release(self, batch: int, n: int) -> None:
@@ -138,10 +140,10 @@ class LocalSteps:
     async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         return None
 
-    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
-        return self.epoch, self.epoch  # one peer, stepping when it has the global batch: nothing to coordinate
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
+        return Ticket(self.epoch, self.epoch)  # one peer, stepping when it has the global batch: nothing to check
 
-    async def observe(self, admitted_at: int) -> None:
+    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
         pass
 
     def release(self, batch: int, n: int) -> None:

@@ -23,7 +23,6 @@ worker's state lock); the phase below is the event loop's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -32,12 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from dht.node import SwarmDHT
+from dht.reads import ThrottledRead
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import build_averaging
 from server.collab.hivemind_compat import check_version
 from server.collab.lowrank import AcpState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
+from server.collab.tickets import Ticket, Tickets
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
@@ -89,6 +90,7 @@ class StageCollaboration:
         self.policy = CompressionPolicy(allreduce_gradients=averaging.wire_codec)
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
+        self.tickets = Tickets(sdht, network.peer_timeout)
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
@@ -96,8 +98,8 @@ class StageCollaboration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
-        self._last_lookup = 0.0  # monotonic time of the last DHT read an unlisted sender of Progress triggered
-        self._lookup_task: asyncio.Future | None = None
+        # the DHT reads an unlisted sender of Progress triggers
+        self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
@@ -246,17 +248,6 @@ class StageCollaboration:
         self._admission.set()
         return pb.ProgressAck(epoch=self.epoch)
 
-    async def _lookup(self) -> None:
-        """Read the stage's peers from the DHT again, unless a read is under way (then wait for it) or one started
-        less than LOOKUP_INTERVAL_S ago."""
-        if self._lookup_task is None or (
-            self._lookup_task.done() and time.monotonic() - self._last_lookup > LOOKUP_INTERVAL_S
-        ):
-            self._last_lookup = time.monotonic()
-            self._lookup_task = asyncio.ensure_future(self.peers.refresh())
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._lookup_task), self.network.peer_timeout)
-
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)
         self._tasks.add(task)  # asyncio keeps only weak references to tasks
@@ -274,10 +265,11 @@ class StageCollaboration:
                 break
         await self.peers.broadcast(epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting)
 
-    async def admit(self, n: int, deadline: float | None = None) -> tuple[int, int]:
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
         """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
-        monotonic time) for a global batch with room (server/collab/admission.py). Returns (the global batch it joins,
-        our epoch now). Raises AdmissionRefused when the microbatch belongs on another peer of stage 0."""
+        monotonic time) for a global batch with room (server/collab/admission.py). Returns the global batch it joins
+        and our epoch now, signed (tickets.py). Raises AdmissionRefused when the microbatch belongs on another peer of
+        stage 0."""
         await self._read_peers_before_first_admission()
         while True:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
@@ -304,7 +296,7 @@ class StageCollaboration:
         self.admission.record(placed, n, epoch)
         if self.peers.peers:  # the other peers of stage 0 count our admissions
             self._spawn(self._broadcast(end_epoch=False))
-        return placed, epoch
+        return Ticket(placed, epoch, *self.tickets.sign(microbatch_id, n, placed, epoch))
 
     async def _read_peers_before_first_admission(self) -> None:
         """Before our first admission, learn what the other peers of stage 0 admitted: a peer that started alone, or
@@ -346,13 +338,17 @@ class StageCollaboration:
         self._admission.set()
         await self._broadcast(end_epoch=False)
 
-    async def observe(self, admitted_at: int) -> None:
-        """Event loop, before a call of a microbatch that stage 0 admitted at its epoch `admitted_at`: stage 0 had then
-        finished every epoch before it, so every microbatch of ours before it has passed us too. If we are still in
-        such an epoch, end it now (before the call runs: the step is a control job and goes first). A peer several
-        epochs behind (restarted from a checkpoint with the stage's other peers gone) skips the epochs that have no
-        samples of its own."""
-        epoch = self.epoch
+    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+        """Event loop, before every call but stage 0's admissions: raises TicketRefused unless the call's admission is
+        signed by a stage-0 peer (tickets.py; a Backward must have one). The microbatch was admitted at stage 0's
+        epoch `admitted_at`: stage 0 had then finished every epoch before it, so every microbatch of ours before it
+        has passed us too. If we are still in such an epoch, end it now (before the call runs: the step is a control
+        job and goes first). A peer several epochs behind (restarted from a checkpoint with the stage's other peers
+        gone) skips the epochs that have no samples of its own."""
+        await self.tickets.check(meta, samples, backward)
+        if not meta.HasField("admitted_at"):
+            return
+        admitted_at, epoch = meta.admitted_at, self.epoch
         if admitted_at <= epoch or self.phase is not Phase.ACCUMULATING:
             return
         logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)

@@ -181,6 +181,19 @@ def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:
         )
 
 
+MAX_META_STRING = 128  # characters of a CallMeta string (ids, codec names)
+MAX_SIGNATURE_BYTES = 1024  # an RSA-2048 signature is 256
+
+
+def _check_meta(meta: pb.CallMeta) -> None:
+    """Strings a receiver may echo or log, and signatures it may verify, are short."""
+    for name in ("microbatch_id", "reply_codec_name", "admitted_by"):
+        if len(getattr(meta, name)) > MAX_META_STRING:
+            raise WireError(f"CallMeta.{name} is over {MAX_META_STRING} characters")
+    if len(meta.admission_signature) > MAX_SIGNATURE_BYTES:
+        raise WireError(f"CallMeta.admission_signature is over {MAX_SIGNATURE_BYTES} bytes")
+
+
 async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, budget: ByteBudget | None = None) -> Call:
     """Assemble a request or response stream; raises WireError on anything malformed or over the limits, Busy when
     `budget` has no room for its payload (then it holds nothing of it; on success it holds `Call.reserved`).
@@ -214,6 +227,7 @@ async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, bud
                     raise WireError("the first frame must carry CallMeta")
                 if frame.meta.protocol_version != PROTOCOL_VERSION:
                     raise WireError(f"protocol version {frame.meta.protocol_version} != {PROTOCOL_VERSION}")
+                _check_meta(frame.meta)
                 call = Call(meta=frame.meta)
             if frame.HasField("tensor"):
                 finish()

@@ -19,7 +19,8 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = 4  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs
+PROTOCOL_VERSION = 5  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs;
+# 5: stage 0 signs its admissions (CallMeta.admitted_by, admission_signature)
 CHUNK_BYTES = 2 << 20
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),

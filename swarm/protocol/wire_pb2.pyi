@@ -52,7 +52,7 @@ class TensorHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., codec_params: _Optional[bytes] = ...) -> None: ...
 
 class CallMeta(_message.Message):
-    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version", "inference", "global_batch", "admitted_at", "reply_codec_name", "reply_epilogue")
+    __slots__ = ("protocol_version", "microbatch_id", "stage", "reply_codec", "param_version", "loss", "has_loss", "queue_length", "forward_version", "inference", "global_batch", "admitted_at", "reply_codec_name", "reply_epilogue", "admitted_by", "admission_signature")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class CallMeta(_message.Message):
     ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     REPLY_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
     REPLY_EPILOGUE_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     microbatch_id: str
     stage: int
@@ -81,7 +83,9 @@ class CallMeta(_message.Message):
     admitted_at: int
     reply_codec_name: str
     reply_epilogue: float
-    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ..., inference: _Optional[bool] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ..., reply_codec_name: _Optional[str] = ..., reply_epilogue: _Optional[float] = ...) -> None: ...
+    admitted_by: str
+    admission_signature: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., microbatch_id: _Optional[str] = ..., stage: _Optional[int] = ..., reply_codec: _Optional[_Union[Codec, str]] = ..., param_version: _Optional[int] = ..., loss: _Optional[float] = ..., has_loss: _Optional[bool] = ..., queue_length: _Optional[int] = ..., forward_version: _Optional[int] = ..., inference: _Optional[bool] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ..., reply_codec_name: _Optional[str] = ..., reply_epilogue: _Optional[float] = ..., admitted_by: _Optional[str] = ..., admission_signature: _Optional[bytes] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("meta", "tensor", "data")

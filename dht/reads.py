@@ -1,0 +1,27 @@
+"""DHT reads that a remote peer's message can trigger, bounded: at most one read per interval, shared by every caller
+that arrives while it runs. A flood of messages naming unknown peers costs the DHT one read per interval."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+
+
+class ThrottledRead:
+    """Event loop. `await read()` runs `fetch` unless a run is under way (then it waits for that one) or one started
+    less than `interval` seconds ago (then it returns at once); it waits `timeout` seconds at most, and never raises
+    (a failed read leaves what the caller knew)."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[None]], interval: float, timeout: float):
+        self.fetch, self.interval, self.timeout = fetch, interval, timeout
+        self._task: asyncio.Future | None = None
+        self._started = 0.0
+
+    async def __call__(self) -> None:
+        if self._task is None or (self._task.done() and time.monotonic() - self._started > self.interval):
+            self._started = time.monotonic()
+            self._task = asyncio.ensure_future(self.fetch())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._task), self.timeout)

@@ -1,0 +1,104 @@
+"""Stage 0's admissions, signed, so that no caller can forge where a microbatch belongs.
+
+Stage 0 decides which global batch a microbatch joins (admission.py); every later call of the microbatch carries
+that decision (`CallMeta.global_batch`, `admitted_at`) and stages act on it: a call admitted at a later epoch ends
+the stage's current epoch (epoch.py `observe`), and a Backward's gradient goes to the batch it names. Trainers relay
+the tag, and anyone can call a stage, so the admitting peer signs the tag, bound to the microbatch's id and sample
+count, with the key its DHT record is signed with (dht/identity.py). A stage acts on a tag only if the signer is a
+peer the DHT lists (or listed) on stage 0; a Backward without one is refused, since every training microbatch passes
+stage 0's admission first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from dht.identity import verify
+from dht.node import SwarmDHT
+from dht.reads import ThrottledRead
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+MAX_SIGNERS = 1024  # stage-0 keys remembered (a peer that left: its microbatches in flight still verify)
+READ_INTERVAL_S = 0.25  # the most often tickets from an unknown signer make us read stage 0's records
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Stage 0's admission of a microbatch: the global batch it joins, stage 0's epoch then, and who signed it with
+    what ("" and b"" where nobody needs to check: a stage without peers)."""
+
+    global_batch: int
+    admitted_at: int
+    signer: str = ""
+    signature: bytes = b""
+
+
+class TicketRefused(Exception):
+    """A call whose admission is missing, unsigned, or not signed by a stage-0 peer: PERMISSION_DENIED, nothing
+    computed."""
+
+
+def ticket_bytes(microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> bytes:
+    """What stage 0 signs: its admission of one microbatch."""
+    return f"swarm-admission/v{PROTOCOL_VERSION}\0{microbatch_id}\0{samples}\0{global_batch}\0{admitted_at}".encode()
+
+
+class Tickets:
+    """Signs this peer's admissions (stage 0) and checks the tags of calls against stage 0's keys. Event loop."""
+
+    def __init__(self, sdht: SwarmDHT, timeout: float):
+        self.sdht = sdht
+        self.signers: OrderedDict[str, bytes] = OrderedDict()  # stage-0 peer id -> its public key
+        self._read = ThrottledRead(self._refresh, READ_INTERVAL_S, timeout)
+        self.refused = 0
+
+    def sign(self, microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> tuple[str, bytes]:
+        """Stage 0: (our peer id, our signature) of an admission."""
+        self._remember(self.sdht.peer_id, self.sdht.identity.public_key)
+        signed = ticket_bytes(microbatch_id, samples, global_batch, admitted_at)
+        return self.sdht.peer_id, self.sdht.identity.sign(signed)
+
+    async def check(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+        """Raises TicketRefused unless `meta`'s admission is signed by a stage-0 peer for this microbatch id and
+        `samples`, or the call has no admission and is not a Backward (evaluation)."""
+        try:
+            await self._check(meta, samples, backward)
+        except TicketRefused:
+            self.refused += 1
+            raise
+
+    async def _check(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+        tagged = meta.HasField("global_batch") or meta.HasField("admitted_at")
+        if not tagged:
+            if backward:
+                raise TicketRefused("a Backward needs stage 0's admission of its microbatch (CallMeta.global_batch)")
+            return
+        if not (meta.HasField("global_batch") and meta.HasField("admitted_at")):
+            raise TicketRefused("admission: global_batch and admitted_at come together")
+        if not meta.admitted_by or not meta.admission_signature:
+            raise TicketRefused("admission: not signed (CallMeta.admitted_by, admission_signature)")
+        key = self.signers.get(meta.admitted_by)
+        if key is None:
+            await self._read()
+            key = self.signers.get(meta.admitted_by)
+        if key is None:
+            raise TicketRefused(
+                f"admission: signed by {meta.admitted_by[:40]!r}, which the DHT does not list on stage 0"
+            )
+        signed = ticket_bytes(meta.microbatch_id, samples, meta.global_batch, meta.admitted_at)
+        if not verify(key, signed, meta.admission_signature):
+            raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
+
+    async def _refresh(self) -> None:
+        for entry in await self.sdht.discover(0, include_pending=True):
+            self._remember(entry.peer_id, entry.public_key)
+
+    def _remember(self, peer_id: str, public_key: bytes) -> None:
+        self.signers[peer_id] = public_key
+        self.signers.move_to_end(peer_id)
+        while len(self.signers) > MAX_SIGNERS:
+            self.signers.popitem(last=False)

@@ -1,0 +1,105 @@
+"""Stage 0 signs its admissions; other stages act on a call's global batch and admission epoch only when a stage-0 peer
+signed them for that microbatch (server/collab/tickets.py). Real in-process peers (tests/peers.py): one serving stage
+0, one serving stage 1 (the last), and calls made by hand as a hostile trainer would."""
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from dht.identity import Identity
+from server.collab.tickets import ticket_bytes
+from swarm.compression import CompressionPolicy, get_codec
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.frames import iter_frames
+from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.tensors import WireStats, encode_tensor
+from tests.peers import MODEL, stage_servers, start_server
+from tests.stages import raw_call, random_batch
+from trainer.client import Admission, StageClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+B, T, D = 2, MODEL.max_seq_len, MODEL.d_model
+
+
+def last_stage_backward(meta: pb.CallMeta, batch: int = B) -> list[bytes]:
+    hidden = torch.randn(batch, T, D)
+    labels = torch.randint(0, MODEL.vocab_size, (batch, T))
+    none = get_codec("none")
+    return list(iter_frames(meta, [encode_tensor("inputs", hidden, none), encode_tensor("labels", labels, none)]))
+
+
+def meta_of(ticket: Admission, microbatch_id: str = "mb-1", **changes) -> pb.CallMeta:
+    meta = pb.CallMeta(
+        protocol_version=PROTOCOL_VERSION,
+        microbatch_id=microbatch_id,
+        stage=1,
+        global_batch=ticket.global_batch,
+        admitted_at=ticket.admitted_at,
+        admitted_by=ticket.signer,
+        admission_signature=ticket.signature,
+    )
+    for name, value in changes.items():
+        if value is None:
+            meta.ClearField(name)
+        else:
+            setattr(meta, name, value)
+    return meta
+
+
+def signed_by(identity: Identity, microbatch_id: str, global_batch: int, admitted_at: int) -> Admission:
+    signature = identity.sign(ticket_bytes(microbatch_id, B, global_batch, admitted_at))
+    return Admission(global_batch, admitted_at, identity.peer_id, signature)
+
+
+async def test_only_stage_zeros_signed_admissions_move_a_stage():
+    async with stage_servers() as (initial_peers, servers):
+        first = await start_server(initial_peers, stage=0)
+        servers.append(first)
+        last = await start_server(initial_peers, stage=1)
+        servers.append(last)
+        client = StageClient(CompressionPolicy(), WireStats(), max_tensor_bytes=1 << 24)
+        try:
+            tokens, _ = random_batch(MODEL, B)
+            reply = await client.call(first.record().address, "Forward", 0, "mb-1", {"inputs": tokens}, (B, T, D), 30)
+            ticket = reply.admission
+            assert ticket is not None and ticket.signer == first.sdht.peer_id and ticket.signature
+
+            worker = last.service.worker
+            before = (worker.epoch, worker.param_version, worker.samples_processed)
+            stranger = Identity()
+            forgeries = {
+                "no admission on a Backward": meta_of(ticket, global_batch=None, admitted_at=None),
+                "an unsigned admission far ahead": meta_of(
+                    ticket, admitted_at=ticket.admitted_at + 5, admitted_by=None, admission_signature=None
+                ),
+                "the batch changed after signing": meta_of(ticket, global_batch=ticket.global_batch + 1),
+                "the admission epoch changed after signing": meta_of(ticket, admitted_at=ticket.admitted_at + 5),
+                "another microbatch's admission": meta_of(ticket, microbatch_id="mb-2"),
+                "a stranger's key": meta_of(signed_by(stranger, "mb-1", 0, 5)),
+                "a stage-1 peer's key": meta_of(signed_by(last.sdht.identity, "mb-1", 0, 5)),
+                "a stage-0 peer named with a stranger's signature": meta_of(
+                    dataclasses.replace(signed_by(stranger, "mb-1", 0, 5), signer=first.sdht.peer_id)
+                ),
+                "garbage for a signature": meta_of(ticket, admission_signature=b"\x00" * 256),
+            }
+            for what, meta in forgeries.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await raw_call(last.record().address, "Backward", last_stage_backward(meta))
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+                assert len(refused.value.details() or "") < 600, what
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # the ticket names 2 samples
+                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket), batch=1))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # bounded before anything is verified
+                huge = meta_of(ticket, admission_signature=b"\x01" * 5000)
+                await raw_call(last.record().address, "Backward", last_stage_backward(huge))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (worker.epoch, worker.param_version, worker.samples_processed) == before
+
+            # the real admission, relayed as a trainer does, counts
+            await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+            assert worker.samples_processed == before[2] + B
+        finally:
+            await client.close()
