@@ -123,3 +123,44 @@ async def test_a_group_that_gathered_other_rounds_is_refused_before_anything_is_
     )
     with pytest.raises(MatchmakingException, match="rounds|malformed"):
         await averager._aggregate_with_group(group, min_vector_size=0)
+
+
+def test_a_stranger_under_the_prefix_never_joins_the_stage_round():
+    """Two peers told each other's libp2p ids (the stage's signed records) and a third averager under the same prefix
+    with the same tensors, stepping at the same time: the two average with each other alone, and the stranger's
+    values (large, finite) reach neither. Without the members, all three form one group."""
+    a, b, stranger_values = torch.full((1000,), 1.0), torch.full((1000,), 4.0), torch.full((1000,), 1e4)
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(3)]
+    common = dict(prefix="avgtest_members", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
+    peers = [
+        StrictAverager(averaged_tensors=[t.clone()], dht=dht, **common) for t, dht in zip((a, b), dhts[:2], strict=True)
+    ]
+    # hivemind names handlers by class: a stranger that wants in runs the same class, without being told members
+    stranger = StrictAverager(averaged_tensors=[stranger_values.clone()], dht=dhts[2], **common)
+    try:
+        for peer, other in zip(peers, reversed(peers), strict=True):
+            peer.expect_group(None, [str(other.peer_id), "not a peer id"])
+        when = get_dht_time() + 2.0
+        results: list = [None] * 3
+
+        def step(i: int, averager: DecentralizedAverager) -> None:
+            try:
+                results[i] = averager.step(weight=1.0 + i, scheduled_time=when, timeout=5)
+            except Exception as e:  # the stranger's round may fail: it found nobody who would have it
+                results[i] = e
+
+        threads = [threading.Thread(target=step, args=(i, x)) for i, x in enumerate((*peers, stranger))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for peer, result in zip(peers, results, strict=False):
+            assert isinstance(result, dict) and set(result) == {p.peer_id for p in peers}, result
+            with peer.get_tensors() as (got,):
+                assert torch.allclose(got, (a + 2 * b) / 3), got[:3]
+    finally:
+        for averager in (*peers, stranger):
+            averager.shutdown()
+        for dht in (*dhts, boot):
+            dht.shutdown()

@@ -16,7 +16,7 @@ from swarm.protocol.frames import iter_frames
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import WireStats, encode_tensor
 from tests.peers import MODEL, stage_servers, start_server
-from tests.stages import raw_call, random_batch
+from tests.stages import random_batch, raw_call
 from trainer.client import Admission, StageClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

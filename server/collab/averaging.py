@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +96,7 @@ class GradientAveraging:
 
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
+        self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
         self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
         self.rounds_ok = self.rounds_failed = 0
@@ -155,7 +156,8 @@ class GradientAveraging:
         def give_up() -> bool:
             return time.monotonic() - started >= self.cfg.averaging_timeout or finished_without_us() or nobody_left()
 
-        self.averager.expect_group(group_size if self.cfg.early_rounds else None)
+        members = None if self.members is None else self.members()
+        self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
         while result is None and not give_up():
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
@@ -269,10 +271,12 @@ class ParameterAveraging:
 
     def __init__(self, averager: StrictAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
+        self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
         self.bytes = self.fp32_bytes = 0
 
     def average(self, worker: StageWorker) -> None:
         """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
+        self.averager.expect_group(None, None if self.members is None else self.members())
         with self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.params, strict=False):
                 buf.copy_(p.detach())
@@ -313,6 +317,10 @@ class Averaging:
     @property
     def fp32_bytes(self) -> int:
         return self.gradients.fp32_bytes + self.parameters.fp32_bytes
+
+    def restrict_to(self, members: Callable[[], Iterable[str]]) -> None:
+        """Rounds hold only us and the peers whose libp2p ids `members()` returns at the time (any thread)."""
+        self.gradients.members = self.parameters.members = members
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
         return (self.gradients.averager, self.parameters.averager)

@@ -90,6 +90,7 @@ class StageCollaboration:
         self.policy = CompressionPolicy(allreduce_gradients=averaging.wire_codec)
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
+        self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage

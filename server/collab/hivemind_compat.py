@@ -11,7 +11,9 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `banned_senders`: to hand every peer the same averaged values, and to fail a round with parts not averaged;
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
-- `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good.
+- `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good;
+- `DecentralizedAverager.rpc_join_group` (extended), `._matchmaking.group_key_manager.get_averagers` (wrapped): to
+  keep peers the stage does not list out of its groups.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import typing
+from collections.abc import Iterable
 
 import hivemind
 import torch
@@ -28,7 +32,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
@@ -57,6 +61,26 @@ def start_in_background(averager: DecentralizedAverager) -> None:
             averager.run_in_background(await_ready=False)
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def _is_peer_id(text: str) -> bool:
+    try:
+        PeerID.from_base58(text)
+    except Exception:  # whatever base58 or multihash raise on garbage
+        return False
+    return True
+
+
+class _MembersOnly:
+    """`GroupKeyManager.get_averagers` of an averager, without the peers its groups may not hold: the leaders it asks
+    to join come from there."""
+
+    def __init__(self, get_averagers, averager: StrictAverager):
+        self.get_averagers, self.averager = get_averagers, averager
+
+    async def __call__(self, group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
+        found = await self.get_averagers(group_key, only_active)
+        return [(peer, expiration) for peer, expiration in found if not self.averager._stranger(peer)]
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -116,16 +140,45 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 class StrictAverager(DecentralizedAverager):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
-    values (ExactAllReduceRunner), and that can download the state of one named peer."""
+    values (ExactAllReduceRunner), whose groups hold only the peers it was told of, and that can download the state
+    of one named peer.
 
-    def expect_group(self, size: int | None) -> None:
+    hivemind lets any averager that finds the prefix in the DHT lead or join a group. Once told its members
+    (`expect_group`), this one neither accepts a join request from another peer (`rpc_join_group`) nor asks one to
+    lead it (its leader queue, read from the DHT, is filtered), and a group that still names another peer fails
+    before anything is sent (`_aggregate_with_group`)."""
+
+    _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
+
+    def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
         """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
         waiting for their scheduled time (hivemind's `target_group_size`, set per round: the stage knows who is in
-        it). None: at the scheduled time. Travels down the pipe `step` uses, so it reaches the process first."""
-        self._outer_pipe.send(("_expect_group", [size], {}))
+        it). None: at the scheduled time. `members`: the libp2p ids of the peers a group may hold besides us (those
+        the stage's signed records list); malformed ones are left out; None: anyone. Travels down the pipe `step`
+        uses, so it reaches the process first."""
+        valid = None if members is None else sorted(m for m in members if _is_peer_id(m))
+        self._outer_pipe.send(("_expect_group", [size, valid], {}))
 
-    async def _expect_group(self, size: int | None) -> None:
+    async def _expect_group(self, size: int | None, members: list[str] | None) -> None:
         self._matchmaking.target_group_size = size
+        self._members = None if members is None else frozenset(map(PeerID.from_base58, members)) | {self.peer_id}
+        manager = self._matchmaking.group_key_manager
+        if not isinstance(manager.get_averagers, _MembersOnly):  # once per process: the matchmaking object lives on
+            manager.get_averagers = _MembersOnly(manager.get_averagers, self)
+
+    def _stranger(self, peer_id: PeerID) -> bool:
+        return self._members is not None and peer_id not in self._members
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # typing's: hivemind reads the hint's `_name`
+        """Leader side: a peer the stage does not list is told we are not looking for a group."""
+        if self._stranger(context.remote_id):
+            logger.debug("refused a join request from %s: not a listed peer of the stage", context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """The averager's process: the tensors a round averages, given what this peer gathered for it (all of the
@@ -143,6 +196,8 @@ class StrictAverager(DecentralizedAverager):
             raise MatchmakingException(f"malformed round data in the group: {e!r}") from e
         if len(rounds) != 1:
             raise MatchmakingException(f"the group gathered different rounds {rounds}: not averaged together")
+        if strangers := [str(p) for p in group_info.peer_ids if self._stranger(p)]:
+            raise MatchmakingException(f"the group holds peers the stage does not list: {strangers[:4]}")
         download_bandwidths = [
             bw if AveragingMode(mode) != AveragingMode.CLIENT else 0.0
             for bw, mode in zip(bandwidths, mode_ids, strict=False)

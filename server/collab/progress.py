@@ -193,6 +193,11 @@ class StagePeers:
             )
         ]
 
+    def members(self) -> list[str]:
+        """The libp2p ids of every peer the DHT lists, or listed, on this stage (signed records): the only peers our
+        all-reduce groups may hold."""
+        return list(dict(self.p2p_ids).values())
+
     def epochs_of(self) -> dict[str, int]:
         return {p: e for p, (e, _) in dict(self.view).items()}
 
