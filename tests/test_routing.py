@@ -67,7 +67,8 @@ def test_shares_match_capacity(include_queue_wait: bool):
 
 
 def test_ban_holds_until_reannounce():
-    router = StageRouter(clock=FakeClock())
+    clock = FakeClock()
+    router = StageRouter(clock=clock)
     router.update_peers({"a": 100.0, "b": 100.0})
     for peer in ("a", "b"):
         router.report_success(peer, task_size=1, seconds=1.0)
@@ -81,12 +82,38 @@ def test_ban_holds_until_reannounce():
     router.update_peers({"a": 100.0, "b": 100.0})
     assert router.available == ["b"]
 
+    clock.now = 1.0  # a first failure holds its ban for at least a second
     router.update_peers({"a": 160.0, "b": 160.0})  # re-announced
     assert sorted(router.available) == ["a", "b"]
     assert not router.snapshot()["a"]["banned"]
     # its key was left behind while banned; it restarts at b's key, so it is not flooded with b's share of the work
     picks = [router.choose(1) for _ in range(10)]
     assert picks.count("a") == 5
+
+
+def test_a_record_restored_every_two_seconds_for_a_dead_server_draws_a_few_calls_a_minute():
+    """Every re-store of its record would lift a plain ban: a forged record re-stored every 2 s drew 30 trainer calls in
+    60 s. Bans double with each failure in a row (1, 2, 4, ... s), so it draws 6; a success starts over."""
+    clock = FakeClock()
+    router = StageRouter(clock=clock)
+    calls = 0
+    for tick in range(300):  # 60 s in steps of 0.2 s; the record is re-stored every 2 s
+        clock.now = tick * 0.2
+        router.update_peers({"real": 1000.0, "fake": 100.0 + 2 * (tick // 10)})
+        if router.choose(1, exclude={"real"}) == "fake":
+            calls += 1
+            router.report_failure("fake")
+    assert calls == 6, calls
+
+    router.update_peers({"real": 1000.0, "fake": 1000.0})
+    clock.now += 60.0
+    router.update_peers({"real": 1000.0, "fake": 1001.0})
+    assert router.choose(1, exclude={"real"}) == "fake"
+    router.report_success("fake", 1, 1.0)  # it answered: its next failure is a first one again
+    router.report_failure("fake")
+    clock.now += 1.0
+    router.update_peers({"real": 1000.0, "fake": 1002.0})
+    assert "fake" in router.available
 
 
 def test_new_peer_starts_at_minimum_key():

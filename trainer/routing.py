@@ -32,10 +32,20 @@ class StageRouter:
 
     Invariants: ``available`` holds exactly the peers listed by the last ``update_peers`` whose record has not expired
     and that are not banned; ``choose`` returns only such peers; a ban on a peer lifts only when the peer is listed
-    with an expiration newer than the one it had when banned (it re-announced), even if it vanished meanwhile.
+    with an expiration newer than the one it had when banned (it re-announced), even if it vanished meanwhile, and
+    not before ``min_ban_s`` x 2^(k-1) seconds (at most ``max_ban_s``) after its k-th failure in a row: a record
+    re-stored every few seconds for a server that never answers (or answers garbage) draws a few calls a minute,
+    not one per re-store. A success resets k.
     """
 
-    def __init__(self, alpha: float = 0.1, timeout_penalty: float = 2.0, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        timeout_penalty: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        min_ban_s: float = 1.0,
+        max_ban_s: float = 60.0,
+    ):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if timeout_penalty < 1.0:
@@ -43,8 +53,10 @@ class StageRouter:
                 f"timeout_penalty must be >= 1 (a timeout never makes a peer look faster), got {timeout_penalty}"
             )
         self.alpha, self.timeout_penalty, self.clock = alpha, timeout_penalty, clock
+        self.min_ban_s, self.max_ban_s = min_ban_s, max_ban_s
         self._peers: dict[str, _Peer] = {}
-        self._bans: dict[str, float] = {}  # peer_id -> its record's expiration when it was banned
+        self._bans: dict[str, tuple[float, float]] = {}  # peer_id -> (its record's expiration when banned, until)
+        self._strikes: dict[str, int] = {}  # peer_id -> failures since its last success
         self._choices = 0
 
     def update_peers(self, peers: Mapping[str, float]) -> None:
@@ -58,7 +70,12 @@ class StageRouter:
             del self._peers[peer_id]
         now = self.clock()
         # a ban outlives the peer's disappearance, but once the banned record expired any listing of it is newer
-        self._bans = {i: exp for i, exp in self._bans.items() if (peers[i] <= exp if i in peers else exp > now)}
+        self._bans = {
+            i: (exp, until)
+            for i, (exp, until) in self._bans.items()
+            if now < until or (peers[i] <= exp if i in peers else exp > now)
+        }
+        self._strikes = {i: k for i, k in self._strikes.items() if i in peers or i in self._bans}
         measured = [p.ema for p in self._peers.values() if p.measured and p.ema is not None]
         prior = statistics.median(measured) if measured else None
         added = peers.keys() - self._peers.keys()
@@ -95,6 +112,7 @@ class StageRouter:
             raise ValueError(f"need task_size > 0 and seconds >= 0, got {task_size=}, {seconds=}")
         if (peer := self._peers.get(peer_id)) is None:
             return
+        self._strikes.pop(peer_id, None)
         per_sample = seconds / task_size
         if peer.measured and peer.ema is not None:
             peer.ema = (1.0 - self.alpha) * peer.ema + self.alpha * per_sample
@@ -102,10 +120,13 @@ class StageRouter:
             peer.ema, peer.measured = per_sample, True
 
     def report_failure(self, peer_id: str, timed_out: bool = False) -> None:
-        """Ban the peer until it re-announces; a timeout also multiplies its EMA by ``timeout_penalty``."""
+        """Ban the peer until it re-announces, and for at least its ban's minimum (see the class); a timeout also
+        multiplies its EMA by ``timeout_penalty``."""
         if (peer := self._peers.get(peer_id)) is None:
             return
-        self._bans[peer_id] = peer.expiration
+        strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+        hold = min(self.max_ban_s, self.min_ban_s * 2 ** min(strikes - 1, 32))
+        self._bans[peer_id] = (peer.expiration, self.clock() + hold)
         if timed_out and peer.ema is not None:
             peer.ema *= self.timeout_penalty
 
