@@ -1,5 +1,11 @@
 """A server's side of rebalancing: publish its load before each period's boundary, read every peer's after it, and
-move if the shared decision function (swarm/rebalance.py) names it. Also `--stage auto`'s choice at start."""
+move if the shared decision function (swarm/rebalance.py) names it. Also `--stage auto`'s choice at start.
+
+Records are signed, but anyone can sign a record of their own that claims any capacity for any address. Such claims
+must not move real peers: before it acts (a move, or `--stage auto`'s choice) a peer counts only the records whose
+address answers `Info` as the record's owner (its swarm id), on the record's stage. A forged record for a server that
+does not exist, or one that points at another peer's server, is then left out; a stage whose other peers are all
+such records keeps its last real peer (the decision never takes a stage's last peer)."""
 
 from __future__ import annotations
 
@@ -8,9 +14,12 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
+import grpc
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerEntry
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import Channels
 from swarm.rebalance import PeerLoad, StageLoad, SwarmView, choose_stage, decide, next_decision_time, stage_loads
 
 if TYPE_CHECKING:
@@ -20,6 +29,7 @@ logger = logging.getLogger("swarm.server")
 # Every period: each peer publishes its load SNAPSHOT_LEAD seconds before the boundary, then reads everyone's
 # READ_DELAY seconds after it, so all peers decide on the same numbers.
 SNAPSHOT_LEAD, READ_DELAY = 1.5, 0.5
+INFO_TIMEOUT_S = 3.0  # a record's server must answer Info within this to count
 
 
 def read_view(per_stage: list[list[PeerEntry]], as_of: float) -> SwarmView:
@@ -64,14 +74,44 @@ class Rebalancer:
         self.server = server
         self.cfg = server.cfg.rebalancing
         self.peer_id = server.sdht.peer_id
+        self.channels = Channels()
 
-    async def view(self, as_of: float) -> SwarmView:
+    async def view(self, as_of: float, verified: bool = False) -> SwarmView:
+        """The swarm's load as the DHT records stood at `as_of`; `verified`: only records whose servers answer as
+        their owners (see the module's docstring)."""
         sdht, stages = self.server.sdht, range(self.server.model_cfg.n_stages)
-        return read_view(await asyncio.gather(*(sdht.discover(i, include_pending=True) for i in stages)), as_of)
+        per_stage = await asyncio.gather(*(sdht.discover(i, include_pending=True) for i in stages))
+        return read_view(await self.verify(per_stage) if verified else per_stage, as_of)
+
+    async def verify(self, per_stage: list[list[PeerEntry]]) -> list[list[PeerEntry]]:
+        """The entries whose address answers Info, within INFO_TIMEOUT_S, with the entry's peer id and stage (a peer
+        still joining may answer with the stage it leaves). Ours counts without asking."""
+        entries = [e for stage in per_stage for e in stage]
+        answers = await asyncio.gather(*(self._answers_as_owner(e) for e in entries))
+        false = {(e.record.stage, e.peer_id) for e, ok in zip(entries, answers, strict=True) if not ok}
+        if false:
+            logger.warning(
+                "rebalancing: not counting %d records whose address does not answer as their owner: %s",
+                len(false),
+                ", ".join(f"{peer[-6:]} on stage {stage}" for stage, peer in sorted(false)[:8]),
+            )
+        return [[e for e in stage if (e.record.stage, e.peer_id) not in false] for stage in per_stage]
+
+    async def _answers_as_owner(self, entry: PeerEntry) -> bool:
+        if entry.peer_id == self.peer_id:
+            return True
+        try:
+            reply = await self.channels.stub(entry.record.address).info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.peer_id == entry.peer_id and (reply.stage == entry.record.stage or not entry.record.ready)
+
+    async def close(self) -> None:
+        await self.channels.close()
 
     async def choose_stage(self) -> int:
         """`--stage auto`: the stage whose reinforcement raises the pipeline's throughput most (swarm.rebalance)."""
-        view = await self.view(as_of=get_dht_time())
+        view = await self.view(as_of=get_dht_time(), verified=True)
         known = sorted(p.throughput for s in view.stages for p in s.peers if p.throughput > 0)
         estimate = known[len(known) // 2] if known else 1.0  # our speed on a stage we have not built: the median peer
         stage = choose_stage(view, self.peer_id, estimate)
@@ -108,18 +148,19 @@ class Rebalancer:
             loads = "/".join(f"{x:.2f}" for x in stage_loads(view))
             peers = "/".join(str(len(s.peers)) for s in view.stages)
             # a record can be missing only because its peer's last announce was late (a loaded machine, a slow DHT):
-            # read once more an announce period later, and move only if the same records still call for it
+            # read once more an announce period later, and move only if the same records still call for it, counting
+            # only the records whose servers answer as their owners
             if await sleep_unless(stop, server.cfg.network.announce_period):
                 return
             try:
-                confirmed = decide(await self.view(as_of=at), self.peer_id, at, rb)
+                confirmed = decide(await self.view(as_of=at, verified=True), self.peer_id, at, rb)
             except Exception as e:
                 logger.warning("rebalancing skipped: could not re-read the swarm's load: %r", e)
                 continue
             if confirmed != move:
                 logger.info(
-                    "not moving to stage %d: a second read of the swarm (peers per stage %s at the first) no "
-                    "longer calls for it",
+                    "not moving to stage %d: a second, verified read of the swarm (peers per stage %s at the first) "
+                    "no longer calls for it",
                     move.dst,
                     peers,
                 )

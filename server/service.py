@@ -117,6 +117,7 @@ class StageService:
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
         self.paused: str | None = None  # why new Forward/Backward calls are turned away (UNAVAILABLE), if they are
         self.p2p_id = ""  # the server's libp2p id, in Info (a reachability check dialling back matches it)
+        self.peer_id = ""  # its swarm id, in Info (rebalancers check that a record's address answers as its owner)
         self.transport = "grpc"  # how callers reach it: "grpc", or "grpc+tls"
         self.max_read_s = MAX_READ_S
         self.traffic = WireStats()  # stage calls' tensors received and sent (written on the compute thread)
@@ -212,6 +213,7 @@ class StageService:
             state_downloads=self.collab.state_downloads,
             transport=self.transport,
             p2p_id=self.p2p_id,
+            peer_id=self.peer_id,
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):

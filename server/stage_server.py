@@ -203,7 +203,7 @@ class StageServer:
                     "serving TLS; certificate sha256 %s (pinned by callers from our record)", self.tls.fingerprint
                 )
             self._endpoint = Endpoint(server, health_servicer, port, service)
-            service.p2p_id = self.sdht.p2p_id
+            service.p2p_id, service.peer_id = self.sdht.p2p_id, self.sdht.peer_id
             service.transport = "grpc+tls" if self.tls else "grpc"
             await ReachResponder(await self.sdht.p2p()).start()  # every server checks others' reachability
             if cfg.network.check_reachability:
@@ -332,6 +332,7 @@ class StageServer:
             for task in (stopped, *loops):
                 task.cancel()
             await asyncio.gather(stopped, *loops, return_exceptions=True)
+            await self.rebalancer.close()
             await self.shutdown()
 
     async def shutdown(self) -> None:

@@ -14,6 +14,7 @@ from dht.node import SwarmDHT, start_dht
 from dht.records import ServerRecord, differences, settings, stage_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
+from swarm.rebalance import Move, RebalanceConfig, decide
 from tests.peers import SWARM, stage_servers, start_server, wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -157,3 +158,39 @@ def test_settings_are_flat_and_only_shared_names_are_compared():
     assert ours == {"model.d_model": 128, "model.seed": 0, "optimizer.lr": 1e-3}
     assert differences(ours, {"model.d_model": 128}) == []
     assert differences(ours, {"model.d_model": 64, "optimizer.lr": 1e-3}) == ["model.d_model: 64 (ours 128)"]
+
+
+async def test_signed_records_that_lie_about_their_server_never_move_a_real_peer():
+    """Anyone can sign a record of their own. A forger claims 10^6 samples/s on stage 0 at an address nobody serves,
+    and a starving stage 1 at a's address (a real server, which answers as a): on those records the rebalancer
+    would move stage 0's only real peer to stage 1. Counting only records whose address answers Info as their owner,
+    it stays."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(a := await start_server(initial_peers, stage=0))
+        servers.append(b := await start_server(initial_peers, stage=1))
+        loop = asyncio.get_running_loop()
+        forgers = [await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers) for _ in range(2)]
+        try:
+            now = get_dht_time()
+            host, port = a.record().host, a.record().port
+            assert await forgers[0].announce(ServerRecord(host="127.0.0.1", port=1, stage=0, throughput=1e6), 60)
+            starving = ServerRecord(host=host, port=port, stage=1, throughput=0.1, demand=1000.0)
+            assert await forgers[1].announce(starving, 60)
+            real = {a.sdht.peer_id, b.sdht.peer_id}
+            forged = {f.peer_id for f in forgers}
+
+            def peers(view) -> set[str]:
+                return {p.peer_id for s in view.stages for p in s.peers}
+
+            as_of = get_dht_time() + 1
+            raw = await a.rebalancer.view(as_of)
+            assert peers(raw) == real | forged
+            rb = RebalanceConfig(cooldown_s=0)
+            assert decide(raw, a.sdht.peer_id, now, rb) == Move(a.sdht.peer_id, 0, 1)
+            verified = await a.rebalancer.view(as_of, verified=True)
+            assert peers(verified) == real
+            assert decide(verified, a.sdht.peer_id, now, rb) is None
+        finally:
+            await a.rebalancer.close()
+            for forger in forgers:
+                forger.shutdown()
