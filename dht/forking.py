@@ -33,10 +33,12 @@ def forking() -> Iterator[None]:
     with _lock:
         main = threading.current_thread() is threading.main_thread()
         handlers = {sig: signal.signal(sig, signal.SIG_DFL) for sig in STOP_SIGNALS} if main else {}
+        settled = gc.get_freeze_count() > 0  # frozen for good (server/heap.py `settle`): stays frozen
         gc.freeze()
         try:
             yield
         finally:
-            gc.unfreeze()
+            if not settled:
+                gc.unfreeze()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)

@@ -130,10 +130,19 @@ class GuardConfig:
             "stage's largest request, at least 64)"
         },
     )
+    max_caller_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "the share of --max-active-calls and --max-buffered-mb one caller (one IP address) may hold; "
+            "more of its calls get RESOURCE_EXHAUSTED while others still get in"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_active_calls < 1 or self.max_buffered_mb < 0:
             raise ValueError("--max-active-calls must be >= 1 and --max-buffered-mb >= 0")
+        if not 0 < self.max_caller_share <= 1:
+            raise ValueError(f"--max-caller-share must be in (0, 1], got {self.max_caller_share}")
         if not 0 < self.max_activation < float("inf"):
             raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
         if not (self.grad_outlier_factor == 0 or 1 < self.grad_outlier_factor < float("inf")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -80,6 +81,8 @@ class StageSchema:
 
 
 MAX_READ_S = 120.0  # the longest a request may take to arrive
+# the longest a request may go without a frame (a chunk of CHUNK_BYTES: 2 MiB arrive in 30 s at 0.6 Mb/s)
+IDLE_READ_S = 30.0
 DRAIN_S = 5.0  # the longest a refused request is read on
 MAX_STATUS_CHARS = 500  # status details travel in HTTP/2 trailers: a caller's oversized input must not make them fail
 LOSS_WINDOW = 20  # backwards averaged in the last stage's reported (recent) loss
@@ -90,6 +93,12 @@ async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
     runs."""
     await context.abort(code, _short(message))
     raise AssertionError("unreachable: ServicerContext.abort raises")
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port ("ipv4:203.0.113.7"): per-caller limits hold across its connections."""
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 def _short(message: str) -> str:
@@ -111,7 +120,8 @@ class StageService:
     ):
         self.worker, self.schema, self.collab = worker, schema, collab
         self.guard = guard or GuardConfig()
-        self.budget = ByteBudget(self._budget_bytes())
+        self.budget = ByteBudget(self._budget_bytes(), self.guard.max_caller_share)
+        self.calls_by_caller: dict[str, int] = {}
         self.requests_rejected = 0
         self.requests_busy = 0  # turned away with RESOURCE_EXHAUSTED: too many calls or bytes held
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
@@ -221,15 +231,26 @@ class StageService:
             await refuse(context, grpc.StatusCode.UNAVAILABLE, self.paused)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
+        caller = caller_of(context)
+        held = self.calls_by_caller.get(caller, 0)
         if self.active_calls >= self.guard.max_active_calls:
             self.requests_busy += 1
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.active_calls} calls in progress")
+        if held >= self.guard.max_active_calls * self.guard.max_caller_share:
+            self.requests_busy += 1
+            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {held} calls of this caller in progress")
         worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
         self.active_calls += 1
+        self.calls_by_caller[caller] = held + 1
         call: Call | None = None
+        # (status, message) to end the call with. Refused after the `except` blocks, not in them: an abort raised
+        # there would chain the caught exception, whose traceback holds this call's frames and buffers, into a
+        # reference cycle with gRPC's handler that only the garbage collector frees (bench_flood: RSS rose ~200 MB
+        # per burst of refusals)
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await self._read(raw_frames, limits, deadline)
+            call = await self._read(raw_frames, limits, deadline, caller)
             ticket = None
             n = self._samples(call)
             if self.schema.is_first and not backward and not call.meta.inference:
@@ -237,7 +258,8 @@ class StageService:
             else:
                 await collab.observe(call.meta, n, backward)  # checks the admission the call carries
             try:
-                reply = await worker.submit(lambda: self._compute(call, backward, ticket), deadline, request=True)
+                compute = functools.partial(self._compute, call, backward, ticket)
+                reply = await worker.submit(compute, deadline, request=True)
             except BaseException:
                 if ticket is not None:  # admitted but never computed: it will not come back
                     collab.release(ticket.global_batch, n)
@@ -247,50 +269,60 @@ class StageService:
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", _short(str(e)))
-            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            refusal = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except AdmissionRefused as e:
-            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except TicketRefused as e:
             self.requests_rejected += 1
             logger.warning("refused %s: %s", "Backward" if backward else "Forward", _short(str(e)))
-            await refuse(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
+            refusal = grpc.StatusCode.PERMISSION_DENIED, str(e)
         except Busy as e:
             self.requests_busy += 1
-            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except DeadlineExpired:
-            await refuse(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before computing; nothing computed"
-            )
+            refusal = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before computing; nothing computed"
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception:  # a bug, not the caller's fault: say so briefly, never with a traceback
             logger.exception("%s failed", "Backward" if backward else "Forward")
-            await refuse(context, grpc.StatusCode.INTERNAL, "internal error (see the server's log)")
+            refusal = grpc.StatusCode.INTERNAL, "internal error (see the server's log)"
         finally:
             self.active_calls -= 1
+            if (left := self.calls_by_caller.pop(caller) - 1) > 0:
+                self.calls_by_caller[caller] = left
             if call is not None:
-                self.budget.release(call.reserved)
+                self.budget.release(call.reserved, call.caller)
+        if refusal is not None:
+            call = None
+            await refuse(context, *refusal)
         for frame in reply:
             yield frame
 
-    async def _read(self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None) -> Call:
+    async def _read(
+        self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None, caller: str
+    ) -> Call:
         """The request (swarm.protocol.frames parses the raw frames, one payload copy). A caller that sets no deadline,
-        or sends a header and then nothing, holds the call for `max_read_s` at most. A request refused while its
-        caller is still sending is read on (up to about its legitimate size) so that the caller gets the reason, not
-        a failed write."""
+        or sends a header and then nothing, holds the call for `max_read_s` at most, and IDLE_READ_S without a frame.
+        A request refused while its caller is still sending is read on (up to about its legitimate size) so that the
+        caller gets the reason, not a failed write."""
         read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())
         started = time.monotonic()
         try:
-            return await asyncio.wait_for(read_call(raw_frames, limits, self.budget), read_for)
+            reading = read_call(raw_frames, limits, self.budget, caller, idle_timeout=IDLE_READ_S)
+            return await asyncio.wait_for(reading, read_for)
         except TimeoutError:
             raise DeadlineExpired from None
-        except (WireError, Busy):
+        except (WireError, Busy) as e:
+            # asyncio's wait_for keeps the exception in a task its frame refers to: drop the traceback (the reader's
+            # frames and the payload they hold) so that nothing but the garbage collector would free them
+            e.with_traceback(None)
             budget = 2 * limits.max_tensor_bytes + CHUNK_BYTES
 
             async def drain() -> None:
                 nonlocal budget
                 async for frame in raw_frames:
                     budget -= len(frame)
+                    self.budget.arrived += len(frame)
                     if budget < 0:
                         return
 

@@ -20,6 +20,7 @@ from dht.records import ServerRecord
 from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab import Collaboration, LocalSteps, StageCollaboration
 from server.config import ServerConfig
+from server.heap import settle, trim_forever
 from server.metrics import fill_server_metrics
 from server.reachability import self_test
 from server.rebalancer import Rebalancer, sleep_unless
@@ -317,8 +318,12 @@ class StageServer:
         cfg = self.cfg
         stage = await self.rebalancer.choose_stage() if cfg.stage == "auto" else int(cfg.stage)
         await self.enter(stage)
+        settle()  # server/heap.py
         rebalancing = cfg.rebalance and not cfg.epochs.solo
-        loops = [asyncio.create_task(self.announce_forever(stop, rebalancing))]
+        loops = [
+            asyncio.create_task(self.announce_forever(stop, rebalancing)),
+            asyncio.create_task(trim_forever(lambda: self.service.budget.arrived, stop)),  # server/heap.py
+        ]
         if rebalancing:
             loops.append(asyncio.create_task(self.rebalancer.run(stop)))
         if cfg.checkpoint.checkpoint_dir:

@@ -4,7 +4,9 @@ settings are not loaded, and malformed or oversized calls get a short INVALID_AR
 servers on 127.0.0.1 in this process (tests/stages.py)."""
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import math
 
 import grpc
@@ -281,6 +283,7 @@ async def test_a_flood_gets_resource_exhausted_and_holds_no_more_than_the_budget
     async with InProcessStages(cfg, stages=[1], max_batch=B) as stages:
         service = stages.services[1]
         service.budget.limit = 3 * len(encoded.payload)
+        service.budget.caller_share = 1.0  # every call here comes from one address (tests/test_wire.py: per caller)
         service.guard = dataclasses.replace(service.guard, max_active_calls=8)
         peak = 0
 
@@ -329,3 +332,51 @@ def test_read_call_gives_back_what_it_took_when_a_stream_fails():
         asyncio.run(read_call(stream(chunks), limits, ByteBudget(4096)))
     call = asyncio.run(read_call(stream(chunks), limits, budget))
     assert call.reserved == budget.used == len(encoded.payload)
+
+
+async def test_refused_calls_leave_no_garbage_cycle_holding_their_payload():
+    """A call refused mid-read (busy, malformed) must free its payload when it ends, not when the garbage collector
+    next scans the oldest generation: on a real server that took tens of seconds and a flood of refusals raised its
+    RSS by hundreds of MB (tests/benchmarks/bench_flood.py). Nothing the collector finds may hold payload bytes."""
+    cfg = tiny_test()
+    B, T, D = 4, cfg.max_seq_len, cfg.d_model
+    encoded = encode_tensor("inputs", torch.randn(B, T, D), get_codec("none"))
+    meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, stage=1)
+    chunks = list(iter_frames(meta, [encoded], chunk_bytes=len(encoded.payload) // 4))
+    malformed = [*chunks[:-1], chunks[-1][:-7]]
+    async with InProcessStages(cfg, stages=[1], max_batch=B) as stages:
+        service = stages.services[1]
+        service.budget.limit = len(encoded.payload)  # one request at a time: the rest are refused while sending
+        service.budget.caller_share = 1.0
+
+        async def one(channel, stream: list[bytes]) -> None:
+            async def slow():
+                for chunk in stream:
+                    yield chunk
+                    await asyncio.sleep(0.05)
+
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for _ in channel.stream_stream(f"/{SERVICE}/Forward")(slow(), timeout=30):
+                    pass
+
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            async with aio_channel(stages.addresses[1]) as channel:
+                await asyncio.gather(*(one(channel, chunks) for _ in range(8)))  # one served, the rest busy
+                for _ in range(3):
+                    await one(channel, malformed)
+            await asyncio.sleep(0.2)
+            gc.collect()
+            refused = [o for o in gc.garbage if isinstance(o, Busy | WireError)]
+            held = [
+                r
+                for o in gc.garbage
+                for r in gc.get_referents(o)
+                if isinstance(r, bytes | bytearray | memoryview) and len(r) >= len(chunks[1]) // 2
+            ]
+            assert service.requests_busy > 0 and service.requests_rejected > 0
+            assert not refused and not held, (len(refused), len(held))
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()

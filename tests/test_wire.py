@@ -13,7 +13,16 @@ from google.protobuf.message import DecodeError
 
 from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.frames import Limits, _varint, encode_frame, iter_frames, parse_frame, read_call
+from swarm.protocol.frames import (
+    Busy,
+    ByteBudget,
+    Limits,
+    _varint,
+    encode_frame,
+    iter_frames,
+    parse_frame,
+    read_call,
+)
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import WireError, decode_tensor, encode_tensor
 
@@ -206,3 +215,49 @@ def test_read_call_rejects_malformed_serialized_frames():
     for match, frames in cases:
         with pytest.raises(WireError, match=match):
             asyncio.run(read_call(_stream(frames), limits))
+
+
+def test_a_caller_holds_at_most_its_share_of_the_byte_budget():
+    budget = ByteBudget(limit=100, caller_share=0.5)
+    budget.take(50, "ipv4:203.0.113.7")
+    with pytest.raises(Busy, match="this caller"):
+        budget.take(1, "ipv4:203.0.113.7")
+    budget.take(50, "ipv6:[2001:db8::1]")  # another caller still gets in
+    with pytest.raises(Busy, match="MiB of requests held"):
+        budget.take(1, "ipv4:198.51.100.1")
+    assert budget.arrived == 102  # refused bytes arrived too (server/heap.py trims after enough)
+    budget.release(50, "ipv4:203.0.113.7")
+    budget.release(50, "ipv6:[2001:db8::1]")
+    assert budget.used == 0 and budget.by_caller == {}
+
+
+def test_a_stream_that_goes_quiet_ends_at_its_idle_timeout_and_gives_its_bytes_back():
+    limits = Limits(max_tensor_bytes=1 << 20, allowed_names=frozenset({"inputs"}))
+    x = encode_tensor("inputs", torch.randn(100, 100), get_codec("none"))
+    first = list(iter_frames(META, [x], chunk_bytes=1000))[:3]
+    budget = ByteBudget(limit=1 << 20)
+
+    async def stalls():
+        for frame in first:
+            yield frame
+        await asyncio.sleep(60)
+
+    async def read() -> None:
+        await read_call(stalls(), limits, budget, "ipv4:203.0.113.7", idle_timeout=0.2)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(read(), 5))
+    assert budget.used == 0 and budget.arrived == 3000
+
+
+def test_call_meta_strings_and_signatures_are_bounded():
+    limits = Limits(max_tensor_bytes=1 << 20, allowed_names=frozenset({"inputs"}))
+    for field, value in [
+        ("microbatch_id", "m" * 129),
+        ("reply_codec_name", "piecewise4" * 20),
+        ("admitted_by", "k" * 200),
+        ("admission_signature", b"\x00" * 1025),
+    ]:
+        meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, **{field: value})
+        with pytest.raises(WireError, match=field):
+            asyncio.run(read_call(_stream([encode_frame(meta)]), limits))

@@ -9,8 +9,9 @@ parse_frame) so that a payload is copied once on each side; protobuf copies it o
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -140,6 +141,7 @@ class Call:
     meta: pb.CallMeta
     tensors: dict[str, EncodedTensor] = field(default_factory=dict)
     reserved: int = 0  # payload bytes taken from the receiver's ByteBudget; give them back when done with the call
+    caller: str = ""  # whom `reserved` was taken for
 
 
 class Busy(Exception):
@@ -147,18 +149,32 @@ class Busy(Exception):
 
 
 class ByteBudget:
-    """Payload bytes a receiver holds at once, across all its calls: a flood is refused instead of growing memory."""
+    """Payload bytes a receiver holds at once, across all its calls and per caller: a flood is refused instead of
+    growing memory, and one caller (one address) holds at most `caller_share` of the limit, so others still get in."""
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, caller_share: float = 1.0):
+        self.limit, self.used, self.caller_share = limit, 0, caller_share
+        self.by_caller: dict[str, int] = {}
+        self.arrived = 0  # payload bytes that arrived, held or refused (server/heap.py trims after enough)
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, caller: str = "") -> None:
+        self.arrived += n
         if self.used + n > self.limit:
-            raise Busy(f"busy: {self.used >> 20} MiB of requests held, the limit is {self.limit >> 20} MiB")
+            raise Busy(f"busy: {self.used / 2**20:.1f} MiB of requests held, the limit is {self.limit / 2**20:.1f} MiB")
+        held = self.by_caller.get(caller, 0)
+        if held + n > self.limit * self.caller_share:
+            most = self.limit * self.caller_share / 2**20
+            raise Busy(
+                f"busy: this caller holds {held / 2**20:.1f} MiB of requests, one caller may hold {most:.1f} MiB"
+            )
         self.used += n
+        self.by_caller[caller] = held + n
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, caller: str = "") -> None:
         self.used -= n
+        left = self.by_caller.pop(caller, 0) - n
+        if left > 0:
+            self.by_caller[caller] = left
 
 
 def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:
@@ -194,9 +210,16 @@ def _check_meta(meta: pb.CallMeta) -> None:
         raise WireError(f"CallMeta.admission_signature is over {MAX_SIGNATURE_BYTES} bytes")
 
 
-async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, budget: ByteBudget | None = None) -> Call:
+async def read_call(
+    frames: AsyncIterable[bytes | pb.Frame],
+    limits: Limits,
+    budget: ByteBudget | None = None,
+    caller: str = "",
+    idle_timeout: float | None = None,
+) -> Call:
     """Assemble a request or response stream; raises WireError on anything malformed or over the limits, Busy when
-    `budget` has no room for its payload (then it holds nothing of it; on success it holds `Call.reserved`).
+    `budget` has no room for its payload, or none left for `caller` (then it holds nothing of it; on success it holds
+    `Call.reserved`), TimeoutError when no frame arrives for `idle_timeout` seconds.
 
     Frames are serialized, as they come off the wire (each payload is then copied once, into its tensor's buffer), or
     already parsed `pb.Frame`s."""
@@ -217,7 +240,7 @@ async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, bud
             call.tensors[current.name] = EncodedTensor(current, buf)
 
     try:
-        async for message in frames:
+        async for message in _within(frames, idle_timeout):
             if isinstance(message, pb.Frame):
                 frame, data = message, memoryview(message.data)
             else:
@@ -241,7 +264,7 @@ async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, bud
                         f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
                     )
                 if budget is not None:
-                    budget.take(len(data))
+                    budget.take(len(data), caller)
                     taken += len(data)
                 buf += data
         if call is None:
@@ -249,7 +272,23 @@ async def read_call(frames: AsyncIterable[bytes | pb.Frame], limits: Limits, bud
         finish()
     except BaseException:
         if budget is not None:
-            budget.release(taken)
+            budget.release(taken, caller)
         raise
-    call.reserved = taken
+    call.reserved, call.caller = taken, caller
     return call
+
+
+async def _within(frames: AsyncIterable, idle_timeout: float | None) -> AsyncIterator:
+    """`frames`, each within `idle_timeout` seconds of the one before (None: no limit); raises TimeoutError."""
+    if idle_timeout is None:
+        async for frame in frames:
+            yield frame
+        return
+    it, end = aiter(frames), object()
+    while True:
+        # the end comes as a value, not StopAsyncIteration: wait_for's task would keep that exception, and with it
+        # this frame and the last payload, in a cycle only the garbage collector frees
+        frame = await asyncio.wait_for(anext(it, end), idle_timeout)
+        if frame is end:
+            return
+        yield frame
