@@ -263,6 +263,8 @@ class StageService:
             except BaseException:
                 if ticket is not None:  # admitted but never computed: it will not come back
                     collab.release(ticket.global_batch, n)
+                elif backward:  # not accumulated: its admission may come again
+                    collab.unobserve(call.meta)
                 raise
             if backward:
                 await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)

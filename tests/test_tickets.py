@@ -98,8 +98,12 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (worker.epoch, worker.param_version, worker.samples_processed) == before
 
-            # the real admission, relayed as a trainer does, counts
+            # the real admission, relayed as a trainer does, counts; once
             await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+            assert worker.samples_processed == before[2] + B
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "spent" in refused.value.details()
             assert worker.samples_processed == before[2] + B
         finally:
             await client.close()

@@ -87,6 +87,11 @@ class Collaboration(Protocol):
         """Stage 0: an admitted microbatch of `n` samples failed before it was computed."""
         ...
 
+    def unobserve(self, meta: pb.CallMeta) -> None:
+        """A Backward that `observe` let through failed before its gradient was accumulated: its admission may be
+        used again (each pays for one Backward per server)."""
+        ...
+
     async def stop_admitting(self) -> None:
         """Stage 0: this peer is leaving the stage; it admits no more Forwards."""
         ...
@@ -147,6 +152,9 @@ class LocalSteps:
         pass
 
     def release(self, batch: int, n: int) -> None:
+        pass
+
+    def unobserve(self, meta: pb.CallMeta) -> None:
         pass
 
     async def stop_admitting(self) -> None:

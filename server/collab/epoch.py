@@ -333,6 +333,9 @@ class StageCollaboration:
         if self.peers.peers:
             self._spawn(self._broadcast(end_epoch=False))
 
+    def unobserve(self, meta: pb.CallMeta) -> None:
+        self.tickets.forget(meta)
+
     async def stop_admitting(self) -> None:
         """Event loop: this peer leaves the stage; its stage-0 peers stop holding a share of each batch for it."""
         self.admitting = False

@@ -6,7 +6,8 @@ the stage's current epoch (epoch.py `observe`), and a Backward's gradient goes t
 the tag, and anyone can call a stage, so the admitting peer signs the tag, bound to the microbatch's id and sample
 count, with the key its DHT record is signed with (dht/identity.py). A stage acts on a tag only if the signer is a
 peer the DHT lists (or listed) on stage 0; a Backward without one is refused, since every training microbatch passes
-stage 0's admission first.
+stage 0's admission first. A ticket pays for one Backward on each server: replayed, it would add its gradient again
+and again, and a stage's step would absorb many times its global batch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from swarm.protocol.rpc import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 MAX_SIGNERS = 1024  # stage-0 keys remembered (a peer that left: its microbatches in flight still verify)
+MAX_SPENT = 1 << 16  # tickets remembered as spent (a global batch of 1024 microbatches, 64 times over)
 READ_INTERVAL_S = 0.25  # the most often tickets from an unknown signer make us read stage 0's records
 
 
@@ -54,6 +56,7 @@ class Tickets:
         self.sdht = sdht
         self.signers: OrderedDict[str, bytes] = OrderedDict()  # stage-0 peer id -> its public key
         self._read = ThrottledRead(self._refresh, READ_INTERVAL_S, timeout)
+        self.spent: OrderedDict[tuple, None] = OrderedDict()  # tickets a Backward here has used
         self.refused = 0
 
     def sign(self, microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> tuple[str, bytes]:
@@ -92,6 +95,17 @@ class Tickets:
         signed = ticket_bytes(meta.microbatch_id, samples, meta.global_batch, meta.admitted_at)
         if not verify(key, signed, meta.admission_signature):
             raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
+        if backward:
+            ticket = (meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at)
+            if ticket in self.spent:
+                raise TicketRefused("admission: spent; this microbatch's Backward was counted here already")
+            self.spent[ticket] = None
+            while len(self.spent) > MAX_SPENT:
+                self.spent.popitem(last=False)
+
+    def forget(self, meta: pb.CallMeta) -> None:
+        """A Backward whose ticket `check` took failed before its gradient was accumulated: it may come again."""
+        self.spent.pop((meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at), None)
 
     async def _refresh(self) -> None:
         for entry in await self.sdht.discover(0, include_pending=True):
