@@ -39,10 +39,12 @@ def start_dht(
     identity_path: str | None = None,
     identity: Identity | None = None,
     swarm_name: str | None = None,
+    wait_timeout: float = 3.0,
 ) -> hivemind.DHT:
     """Blocking (about a second): call it before the event loop starts, or in an executor. `identity` signs this
     node's records (a fresh one if None: the node still validates everyone else's). `swarm_name`: also refuse
-    malformed records under that swarm's stage keys (dht/records.py). `identity_path`: libp2p's key."""
+    malformed records under that swarm's stage keys (dht/records.py). `identity_path`: libp2p's key. `wait_timeout`:
+    how long the node waits for another node's answer (hivemind's)."""
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
@@ -57,6 +59,7 @@ def start_dht(
             *([StageRecordValidator(swarm_name)] if swarm_name else []),
         ],
         start=False,
+        wait_timeout=wait_timeout,
     )
     with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
         dht.run_in_background(await_ready=False)

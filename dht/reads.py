@@ -9,6 +9,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class ThrottledRead:
     """Event loop. `await read()` runs `fetch` unless a run is under way (then it waits for that one) or one started
     less than `interval` seconds ago (then it returns at once); it waits `timeout` seconds at most, and never raises
@@ -23,5 +28,6 @@ class ThrottledRead:
         if self._task is None or (self._task.done() and time.monotonic() - self._started > self.interval):
             self._started = time.monotonic()
             self._task = asyncio.ensure_future(self.fetch())
+            self._task.add_done_callback(_retrieve)  # a read that fails after every caller gave up is not an error
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._task), self.timeout)

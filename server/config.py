@@ -43,6 +43,14 @@ class NetworkConfig:
     announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
     record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
+    dht_wait_timeout: float = field(
+        default=3.0,
+        metadata={
+            "help": "seconds this peer's DHT node waits for another node's answer before it counts as lost and is "
+            "skipped for a while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and "
+            "all-reduce matchmaking by this much"
+        },
+    )
     drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
     check_reachability: bool = field(
         default=True,
@@ -52,6 +60,8 @@ class NetworkConfig:
     def __post_init__(self) -> None:
         if self.record_ttl <= self.announce_period:
             raise ValueError(f"--record-ttl ({self.record_ttl}) must exceed --announce-period ({self.announce_period})")
+        if not 0 < self.dht_wait_timeout < float("inf"):
+            raise ValueError(f"--dht-wait-timeout must be positive, got {self.dht_wait_timeout}")
 
 
 @dataclass(kw_only=True)

@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> None:
         averaging={k: v for k, v in vars(cfg.averaging).items() if k.startswith("allreduce_")},
     )
     sdht = SwarmDHT.start(
-        cfg.network.swarm_name, cfg.network.initial_peers, shared, host=cfg.network.host, port=cfg.network.dht_port
+        cfg.network.swarm_name,
+        cfg.network.initial_peers,
+        shared,
+        host=cfg.network.host,
+        port=cfg.network.dht_port,
+        wait_timeout=cfg.network.dht_wait_timeout,
     )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))

@@ -74,6 +74,14 @@ class TrainerConfig:
         default=None, metadata={"help": "append one JSON line per microbatch: step, loss, " "stage versions"}
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
+    dht_wait_timeout: float = field(
+        default=3.0,
+        metadata={
+            "help": "seconds this peer's DHT node waits for another node's answer before it counts as lost and is "
+            "skipped for a while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and "
+            "all-reduce matchmaking by this much"
+        },
+    )
     max_activation: float = field(
         default=FP16_MAX,
         metadata={
@@ -95,8 +103,8 @@ class TrainerConfig:
             raise ValueError(f"--max-activation must be positive and finite, got {self.max_activation}")
         if not 0 < self.min_request_timeout <= self.request_timeout:
             raise ValueError("--min-request-timeout must be > 0 and <= --request-timeout")
-        if self.request_timeout <= 0 or self.discovery_period <= 0:
-            raise ValueError("--request-timeout and --discovery-period must be > 0")
+        if self.request_timeout <= 0 or self.discovery_period <= 0 or not 0 < self.dht_wait_timeout < float("inf"):
+            raise ValueError("--request-timeout, --discovery-period and --dht-wait-timeout must be > 0")
         if self.data is not None and self.data.startswith("hf:"):
             parse_hub_name(self.data)
         if not self.data_column or not self.data_split:

@@ -64,7 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # the trainer only slices data and runs codecs
     shared = settings(model=model_cfg.shared())  # servers whose model differs are not called
-    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, shared, port=cfg.dht_port, client_mode=True)
+    sdht = SwarmDHT.start(
+        cfg.swarm_name,
+        cfg.initial_peers,
+        shared,
+        port=cfg.dht_port,
+        client_mode=True,
+        wait_timeout=cfg.dht_wait_timeout,
+    )
     try:
         final = uvloop.run(_main(cfg, model_cfg, sdht))
         logger.info(

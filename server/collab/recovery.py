@@ -128,45 +128,36 @@ class Recovery:
         finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
         the smallest peer id); every peer names the same one, because peers report their counts before they reply
         to a trainer, hence before the epoch can end. The reference steps alone on its own gradients; the others
-        wait for it to step and copy its state; if it does not step in time we do not step at all: the epoch stays
-        open, our gradients stay accumulated, and the next round, or a peer that finishes the epoch, closes it."""
+        wait for it to step and copy its state. A reference that stops answering (dead, frozen: the stage drops it)
+        is passed over and the reference chosen again among the live peers, so a frozen peer never holds the stage;
+        once it comes back it is behind, and copies the stage's state before it serves again. If the reference does
+        not step in time we do not step at all: the epoch stays open, our gradients stay accumulated, and the next
+        round, or a peer that finishes the epoch, closes it."""
         epoch, me = self.worker.epoch, self.peers.sdht.peer_id
-        counts = self.peers.counts_of(epoch)
-        counts[me] = n_samples
-        ahead = self.peers.ahead_of(epoch)
-        reference = ahead[0] if ahead else min(counts, key=lambda p: (-counts[p], p))
-        if not ahead and counts[reference] == 0:  # nobody has samples this epoch: nothing to step on
-            self.worker.return_gradients(grads, n_samples)
-            return None
-        if reference == me:
-            logger.warning(
-                "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
-                self.stage,
-                epoch,
-                n_samples,
-            )
-            return grads
-        logger.warning(
-            "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
-            self.stage,
-            epoch,
-            reference[-6:],
-            "finished the epoch" if ahead else f"{counts[reference]} samples",
-        )
+        deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
         self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
         try:
-            deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
             while time.monotonic() < deadline:
-                if self.peers.epochs_of().get(reference, epoch) <= epoch:
-                    time.sleep(0.02)
-                    continue
-                loaded = self.averager.download_state(
-                    self.peers.p2p_ids.get(reference, ""), timeout=self.cfg.averaging_timeout
+                reference, why = self._reference(epoch, me, n_samples)
+                if reference is None:  # nobody has samples this epoch: nothing to step on
+                    break
+                if reference == me:
+                    logger.warning(
+                        "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                        self.stage,
+                        epoch,
+                        n_samples,
+                    )
+                    return grads
+                logger.warning(
+                    "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
+                    self.stage,
+                    epoch,
+                    reference[-6:],
+                    why,
                 )
-                if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
-                    self.load(*loaded)
+                if self._copy_once_stepped(reference, epoch, deadline):
                     return None
-                time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         finally:
@@ -179,3 +170,32 @@ class Recovery:
         )
         self.worker.return_gradients(grads, n_samples)
         return None
+
+    def _reference(self, epoch: int, me: str, n_samples: int) -> tuple[str | None, str]:
+        """The peer that steps alone after a failed round of `epoch`, among the live ones, and why; None if nobody
+        has samples."""
+        counts = self.peers.counts_of(epoch)
+        counts[me] = n_samples
+        ahead = [p for p in self.peers.ahead_of(epoch) if p in self.peers.peers]
+        if ahead:
+            return ahead[0], "finished the epoch"
+        reference = min(counts, key=lambda p: (-counts[p], p))
+        return (reference, f"{counts[reference]} samples") if counts[reference] > 0 else (None, "")
+
+    def _copy_once_stepped(self, reference: str, epoch: int, deadline: float) -> bool:
+        """Compute thread: wait for `reference` to step past `epoch` and load its state (True); False once it is
+        no longer a live peer of the stage, or at `deadline`."""
+        while time.monotonic() < deadline and reference in self.peers.peers:
+            if self.peers.epochs_of().get(reference, epoch) <= epoch:
+                time.sleep(0.02)
+                continue
+            loaded = self.averager.download_state(
+                self.peers.p2p_ids.get(reference, ""), timeout=self.cfg.averaging_timeout
+            )
+            if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
+                self.load(*loaded)
+                return True
+            time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
+        if reference not in self.peers.peers:
+            logger.warning("stage %d epoch %d: %s stopped answering; choosing again", self.stage, epoch, reference[-6:])
+        return False
