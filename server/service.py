@@ -7,6 +7,7 @@ against the stage's schema after decoding (this module), and a bad request ends 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -21,8 +22,8 @@ import grpc
 import torch
 
 from dht.identity import MAX_PUBLIC_KEY_BYTES
-from server.collab import AdmissionRefused, Collaboration, ProgressRefused
-from server.collab.tickets import Ticket, TicketRefused
+from server.collab import AdmissionRefused, Behind, Collaboration, ProgressRefused
+from server.collab.tickets import Ticket, TicketRefused, TicketSpent, ticket_key
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker
 from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
@@ -95,6 +96,29 @@ async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
     raise AssertionError("unreachable: ServicerContext.abort raises")
 
 
+class ReplyCache:
+    """The last Backward replies, by the admission they used (event loop). A Backward counts once per server
+    (tickets.py); a trainer whose reply was lost (its deadline passed while the server still computed) asks the same
+    server again, and gets the same reply instead of a refusal. Bounded in replies and bytes."""
+
+    def __init__(self, max_bytes: int, max_replies: int = 256):
+        self.max_bytes, self.max_replies, self.bytes = max_bytes, max_replies, 0
+        self._replies: collections.OrderedDict[tuple, list[bytes]] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> list[bytes] | None:
+        return self._replies.get(key)
+
+    def put(self, key: tuple, frames: list[bytes]) -> None:
+        size = sum(map(len, frames))
+        if size > self.max_bytes:
+            return
+        self._replies[key] = frames
+        self.bytes += size
+        while self.bytes > self.max_bytes or len(self._replies) > self.max_replies:
+            _, dropped = self._replies.popitem(last=False)
+            self.bytes -= sum(map(len, dropped))
+
+
 def caller_of(context: grpc.aio.ServicerContext) -> str:
     """The caller's address without its port ("ipv4:203.0.113.7"): per-caller limits hold across its connections."""
     peer = context.peer() or ""
@@ -122,6 +146,7 @@ class StageService:
         self.guard = guard or GuardConfig()
         self.budget = ByteBudget(self._budget_bytes(), self.guard.max_caller_share)
         self.calls_by_caller: dict[str, int] = {}
+        self.replies = ReplyCache(max(self.budget.limit // 4, 8 << 20))
         self.requests_rejected = 0
         self.requests_busy = 0  # turned away with RESOURCE_EXHAUSTED: too many calls or bytes held
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
@@ -248,6 +273,7 @@ class StageService:
         # reference cycle with gRPC's handler that only the garbage collector frees (bench_flood: RSS rose ~200 MB
         # per burst of refusals)
         refusal: tuple[grpc.StatusCode, str] | None = None
+        reply: list[bytes] | None = None
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
             call = await self._read(raw_frames, limits, deadline, caller)
@@ -256,24 +282,34 @@ class StageService:
             if self.schema.is_first and not backward and not call.meta.inference:
                 ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
             else:
-                await collab.observe(call.meta, n, backward)  # checks the admission the call carries
-            try:
-                compute = functools.partial(self._compute, call, backward, ticket)
-                reply = await worker.submit(compute, deadline, request=True)
-            except BaseException:
-                if ticket is not None:  # admitted but never computed: it will not come back
-                    collab.release(ticket.global_batch, n)
-                elif backward:  # not accumulated: its admission may come again
-                    collab.unobserve(call.meta)
-                raise
-            if backward:
-                await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
+                try:
+                    await collab.observe(call.meta, n, backward)  # checks the admission the call carries
+                except TicketSpent:  # a retry of a Backward whose reply did not reach the caller: the same reply
+                    if (replied := self.replies.get(ticket_key(call.meta))) is None:
+                        raise
+                    reply = replied
+            if reply is None:
+                try:
+                    compute = functools.partial(self._compute, call, backward, ticket)
+                    reply = await worker.submit(compute, deadline, request=True)
+                except BaseException:
+                    if ticket is not None:  # admitted but never computed: it will not come back
+                        collab.release(ticket.global_batch, n)
+                    elif backward:  # not accumulated: its admission may come again
+                        collab.unobserve(call.meta)
+                    raise
+                if backward:
+                    if call.meta.admission_signature:
+                        self.replies.put(ticket_key(call.meta), reply)
+                    await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", _short(str(e)))
             refusal = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except AdmissionRefused as e:
             refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except Behind as e:
+            refusal = grpc.StatusCode.UNAVAILABLE, str(e)
         except TicketRefused as e:
             self.requests_rejected += 1
             logger.warning("refused %s: %s", "Backward" if backward else "Forward", _short(str(e)))
@@ -294,9 +330,9 @@ class StageService:
                 self.calls_by_caller[caller] = left
             if call is not None:
                 self.budget.release(call.reserved, call.caller)
-        if refusal is not None:
+        if refusal is not None or reply is None:
             call = None
-            await refuse(context, *refusal)
+            await refuse(context, *(refusal or (grpc.StatusCode.INTERNAL, "no reply")))
         for frame in reply:
             yield frame
 

@@ -10,12 +10,13 @@ import torch
 
 from dht.identity import Identity
 from server.collab.tickets import ticket_bytes
+from server.service import ReplyCache
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import WireStats, encode_tensor
-from tests.peers import MODEL, stage_servers, start_server
+from tests.peers import MODEL, stage_servers, start_server, wait_for_async
 from tests.stages import random_batch, raw_call
 from trainer.client import Admission, StageClient
 
@@ -99,11 +100,35 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
             assert (worker.epoch, worker.param_version, worker.samples_processed) == before
 
             # the real admission, relayed as a trainer does, counts; once
-            await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+            first_reply = await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
             assert worker.samples_processed == before[2] + B
+            # the same call again (a trainer whose reply was lost retries): the same reply, counted once
+            again = await raw_call(last.record().address, "Backward", replayed := last_stage_backward(meta_of(ticket)))
+            assert again == first_reply and worker.samples_processed == before[2] + B
+            last.service.replies = ReplyCache(max_bytes=1 << 20)  # the reply forgotten: a replay is refused
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+                await raw_call(last.record().address, "Backward", replayed)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "spent" in refused.value.details()
             assert worker.samples_processed == before[2] + B
         finally:
             await client.close()
+
+
+async def test_a_peer_that_missed_epochs_refuses_work_until_it_has_caught_up():
+    """A stage peer at epoch e that gets a call stage 0 admitted at e + 2 or later missed epochs (it was frozen, say):
+    it answers UNAVAILABLE and computes nothing, rather than serve with parameters its stage has left behind."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        servers.append(other := await start_server(initial_peers, stage=1))
+        await wait_for_async(lambda: other.sdht.peer_id in last.collab.peers.peers, 30, "the stage-1 peers to meet")
+        worker = last.service.worker
+        epoch, done = worker.epoch, worker.samples_processed
+        ahead = signed_by(first.sdht.identity, "mb-9", epoch, epoch + 2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "catching up" in refused.value.details()
+        assert (worker.epoch, worker.samples_processed) == (epoch, done)
+        current = signed_by(first.sdht.identity, "mb-10", epoch, epoch)
+        await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(current, "mb-10")))
+        assert worker.samples_processed == done + B

@@ -3,6 +3,14 @@ protocol (epoch), averaging on hivemind (averaging), state transfers (recovery),
 need (hivemind_compat)."""
 
 from server.collab.base import Collaboration, LocalSteps
-from server.collab.epoch import AdmissionRefused, Phase, ProgressRefused, StageCollaboration
+from server.collab.epoch import AdmissionRefused, Behind, Phase, ProgressRefused, StageCollaboration
 
-__all__ = ["AdmissionRefused", "Collaboration", "LocalSteps", "Phase", "ProgressRefused", "StageCollaboration"]
+__all__ = [
+    "AdmissionRefused",
+    "Behind",
+    "Collaboration",
+    "LocalSteps",
+    "Phase",
+    "ProgressRefused",
+    "StageCollaboration",
+]

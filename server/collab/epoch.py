@@ -62,6 +62,12 @@ class AdmissionRefused(Exception):
     the batch has not stepped yet and the call's deadline is near: the trainer asks again shortly."""
 
 
+class Behind(Exception):
+    """This peer is copying its stage's state, or a call shows it missed epochs of its stage (frozen for a while,
+    say): it must not compute with parameters the stage has left behind. The caller gets UNAVAILABLE and goes to
+    another peer while this one catches up."""
+
+
 class Phase(enum.Enum):
     """What the collaboration is doing. The event loop is the only writer."""
 
@@ -276,6 +282,9 @@ class StageCollaboration:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
                 raise AdmissionRefused("admission: this peer of stage 0 is leaving the stage")
+            if self.phase is Phase.RECOVERING or (self.peers.furthest() or epoch) >= epoch + 2:
+                self._kick.set()
+                raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
             placed = self.admission.place(epoch, n)
             if placed is Decision.REFUSE:
                 raise AdmissionRefused(
@@ -350,9 +359,14 @@ class StageCollaboration:
         job and goes first). A peer several epochs behind (restarted from a checkpoint with the stage's other peers
         gone) skips the epochs that have no samples of its own."""
         await self.tickets.check(meta, samples, backward)
+        if self.phase is Phase.RECOVERING:
+            raise Behind(f"stage {self.stage}: this peer is copying the stage's state; try another peer")
         if not meta.HasField("admitted_at"):
             return
         admitted_at, epoch = meta.admitted_at, self.epoch
+        if admitted_at >= epoch + 2 and self.peers.peers:  # alone, we skip the epochs instead (below)
+            self._kick.set()  # the poller catches up from the peer furthest ahead
+            raise Behind(f"stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up")
         if admitted_at <= epoch or self.phase is not Phase.ACCUMULATING:
             return
         logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)

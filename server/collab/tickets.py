@@ -44,6 +44,16 @@ class TicketRefused(Exception):
     computed."""
 
 
+class TicketSpent(TicketRefused):
+    """A Backward whose ticket a Backward here has used already: its gradient is counted. A retry after a reply that
+    was lost gets that reply again if the server still has it (service.py), else PERMISSION_DENIED."""
+
+
+def ticket_key(meta: pb.CallMeta) -> tuple[str, str, int, int]:
+    """What identifies one admission of one microbatch."""
+    return meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at
+
+
 def ticket_bytes(microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> bytes:
     """What stage 0 signs: its admission of one microbatch."""
     return f"swarm-admission/v{PROTOCOL_VERSION}\0{microbatch_id}\0{samples}\0{global_batch}\0{admitted_at}".encode()
@@ -96,16 +106,16 @@ class Tickets:
         if not verify(key, signed, meta.admission_signature):
             raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
         if backward:
-            ticket = (meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at)
+            ticket = ticket_key(meta)
             if ticket in self.spent:
-                raise TicketRefused("admission: spent; this microbatch's Backward was counted here already")
+                raise TicketSpent("admission: spent; this microbatch's Backward was counted here already")
             self.spent[ticket] = None
             while len(self.spent) > MAX_SPENT:
                 self.spent.popitem(last=False)
 
     def forget(self, meta: pb.CallMeta) -> None:
         """A Backward whose ticket `check` took failed before its gradient was accumulated: it may come again."""
-        self.spent.pop((meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at), None)
+        self.spent.pop(ticket_key(meta), None)
 
     async def _refresh(self) -> None:
         for entry in await self.sdht.discover(0, include_pending=True):

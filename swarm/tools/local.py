@@ -205,17 +205,11 @@ class LocalConfig:
 # What differs on one machine's loopback from a swarm across the internet: peers announce and poll often (records,
 # progress and all-reduce groups form in fractions of a second here), and each process gets one torch thread because
 # a dozen of them share the cores. A record outlives 6 announce periods: while a peer's DHT node is dead or frozen an
-# announce can take 6 s (hivemind waits for that node), and an 8 s lifetime let healthy servers' records lapse. A DHT
-# node answers within milliseconds here: one that has not in a second is frozen or dead (DHT_WAIT_TIMEOUT_S).
-DHT_WAIT_TIMEOUT_S = 1.0
-
-
+# announce can take 6 s (hivemind waits for that node), and an 8 s lifetime let healthy servers' records lapse.
 def local_server(stage: int | str) -> ServerConfig:
     return ServerConfig(
         stage=str(stage),
-        network=NetworkConfig(
-            host="127.0.0.1", announce_period=2.0, record_ttl=12.0, dht_wait_timeout=DHT_WAIT_TIMEOUT_S
-        ),
+        network=NetworkConfig(host="127.0.0.1", announce_period=2.0, record_ttl=12.0),
         compute=ComputeConfig(torch_threads=1),
         averaging=AveragingConfig(matchmaking_time=0.5),
         epochs=EpochConfig(progress_period=0.2),
@@ -223,7 +217,7 @@ def local_server(stage: int | str) -> ServerConfig:
 
 
 def local_trainer(stats_file: str | None = None) -> TrainerConfig:
-    return TrainerConfig(log_period=10.0, stats_file=stats_file, dht_wait_timeout=DHT_WAIT_TIMEOUT_S)
+    return TrainerConfig(log_period=10.0, stats_file=stats_file)
 
 
 @dataclass

@@ -113,12 +113,14 @@ async def flood(address: str, kinds: dict[str, list[bytes]], concurrency: int, d
 
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=48, help="calls sent at once in each round")
+    p.add_argument("--rounds", type=int, default=None, help="flood rounds (default: 4; --quick: 2)")
+    p.add_argument("--concurrency", type=int, default=None, help="calls sent at once per round (default 48; quick 24)")
     p.add_argument("--mb", type=int, default=8, help="MiB of hidden states per Forward")
     p.add_argument("--deadline", type=float, default=30.0, help="each call's deadline, seconds")
     p.add_argument("--settle", type=float, default=5.0, help="seconds between rounds before RSS is read")
     args = p.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 4)
+    args.concurrency = args.concurrency or (24 if args.quick else 48)
     common.exit_on_sigterm()
     batch = max(1, (args.mb << 20) // (SEQ * D_MODEL * 4))
     kinds = calls(batch, seed=0)

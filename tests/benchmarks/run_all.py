@@ -14,6 +14,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_quality | held-out loss of swarm-local configurations against one process trained on the same samples |
 | bench_lowrank | ACP-SGD in one process: held-out loss over rank and ablations against whole gradients; bytes per round |
 | bench_backprop | pipeline codecs and boundaries in one process: held-out loss against fp32, bytes per direction |
+| bench_flood | a real server's RSS under rounds of concurrent large requests; every call answered within its deadline |
 
 Each prints its tables on stdout, progress on stderr, and writes `<out>/<name>.json` (hardware included); bench_wan
 also writes a PNG. Run them on an otherwise idle machine: wall-clock ratios are interleaved but not immune to load.
@@ -28,7 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = ("wire", "transport", "pipeline", "averaging", "routing", "wan", "quality", "lowrank", "backprop")
+BENCHMARKS = (
+    "wire",
+    "transport",
+    "pipeline",
+    "averaging",
+    "routing",
+    "wan",
+    "quality",
+    "lowrank",
+    "backprop",
+    "flood",
+)
 WITH_DEVICE = ("wire", "pipeline")
 
 
