@@ -25,7 +25,7 @@ from dht.forking import forking
 from dht.identity import Identity, fingerprint, owner_of
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
-from swarm.net import listen_multiaddrs
+from swarm.net import DHT_WAIT_TIMEOUT_S, listen_multiaddrs
 from swarm.protocol.tls import pin
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def start_dht(
     identity_path: str | None = None,
     identity: Identity | None = None,
     swarm_name: str | None = None,
-    wait_timeout: float = 3.0,
+    wait_timeout: float = DHT_WAIT_TIMEOUT_S,
 ) -> hivemind.DHT:
     """Blocking (about a second): call it before the event loop starts, or in an executor. `identity` signs this
     node's records (a fresh one if None: the node still validates everyone else's). `swarm_name`: also refuse

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.metrics import MetricsConfig
+from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S
 from swarm.protocol.tensors import FP16_MAX
 from swarm.protocol.tls import TlsConfig
 from swarm.rebalance import RebalanceConfig
@@ -43,14 +44,7 @@ class NetworkConfig:
     announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
     record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
-    dht_wait_timeout: float = field(
-        default=3.0,
-        metadata={
-            "help": "seconds this peer's DHT node waits for another node's answer before it counts as lost and is "
-            "skipped for a while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and "
-            "all-reduce matchmaking by this much"
-        },
-    )
+    dht_wait_timeout: float = field(default=DHT_WAIT_TIMEOUT_S, metadata={"help": DHT_WAIT_TIMEOUT_HELP})
     drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
     check_reachability: bool = field(
         default=True,

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 
+DHT_WAIT_TIMEOUT_S = 3.0  # hivemind's default
+DHT_WAIT_TIMEOUT_HELP = (
+    "seconds this peer's DHT node waits for another node's answer before it counts as lost and is skipped for a "
+    "while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and all-reduce matchmaking "
+    "by this much"
+)
+
 
 def ip_version(host: str) -> int | None:
     """4 or 6 for an IP address (brackets allowed), None for a host name."""

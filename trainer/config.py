@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from swarm.compression import CODECS, CompressionPolicy
 from swarm.compression.registry import CODEC_NAMES_HELP
 from swarm.metrics import MetricsConfig
+from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S
 from swarm.protocol.tensors import FP16_MAX
 from trainer.data import parse_hub_name
 
@@ -74,14 +75,7 @@ class TrainerConfig:
         default=None, metadata={"help": "append one JSON line per microbatch: step, loss, " "stage versions"}
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
-    dht_wait_timeout: float = field(
-        default=3.0,
-        metadata={
-            "help": "seconds this peer's DHT node waits for another node's answer before it counts as lost and is "
-            "skipped for a while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and "
-            "all-reduce matchmaking by this much"
-        },
-    )
+    dht_wait_timeout: float = field(default=DHT_WAIT_TIMEOUT_S, metadata={"help": DHT_WAIT_TIMEOUT_HELP})
     max_activation: float = field(
         default=FP16_MAX,
         metadata={
