@@ -14,6 +14,8 @@ import hivemind
 
 from dht.node import start_dht
 from swarm.cli import add_config_file_arg, parse_args
+from swarm.net import SWARM_KEY_HELP
+from swarm.protocol import access
 from swarm.protocol.reach import ReachResponder
 
 
@@ -28,14 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--swarm-name", default="swarm", help="refuse malformed or unsigned server records under this swarm's keys"
     )
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--swarm-key", default=None, help=SWARM_KEY_HELP)
+    key.add_argument(
+        "--new-swarm-key",
+        default=None,
+        metavar="FILE",
+        help="start a private swarm: write a new key to FILE (never over an existing file) and use it; give FILE to "
+        "every server, trainer and monitor of the swarm (--swarm-key FILE)",
+    )
     return parser
 
 
-async def answer_reach_checks(dht: hivemind.DHT, stop: threading.Event) -> None:
+async def answer_reach_checks(dht: hivemind.DHT, stop: threading.Event, key: access.SwarmKey | None) -> None:
     """On a thread of its own: the node's main thread only waits for a signal."""
     p2p = await dht.replicate_p2p()
     try:
-        await ReachResponder(p2p).start()
+        await ReachResponder(p2p, key).start()
         while not stop.is_set():
             await asyncio.sleep(0.5)
     finally:
@@ -46,14 +57,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.new_swarm_key:
+            access.SwarmKey.new().write(args.new_swarm_key)
+        swarm_key = access.load(args.new_swarm_key or args.swarm_key)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     dht = start_dht(
-        args.initial_peers, host=args.host, port=args.port, identity_path=args.identity_path, swarm_name=args.swarm_name
+        args.initial_peers,
+        host=args.host,
+        port=args.port,
+        identity_path=args.identity_path,
+        swarm_name=args.swarm_name,
+        swarm_key=swarm_key,
     )
-    responder = threading.Thread(target=asyncio.run, args=(answer_reach_checks(dht, stop),), name="reach", daemon=True)
+    responder = threading.Thread(
+        target=asyncio.run, args=(answer_reach_checks(dht, stop, swarm_key),), name="reach", daemon=True
+    )
     responder.start()
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -63,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             tmp.replace(args.maddr_file)  # readers never see half a file
         print("DHT is running. Start servers and trainers with:", flush=True)
         print("  --initial-peers " + " ".join(maddrs), flush=True)
+        if swarm_key is not None:
+            print(f"  --swarm-key {args.new_swarm_key or args.swarm_key}   (copy that file to them)", flush=True)
         stop.wait()
     finally:
         stop.set()

@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from dht.authorizer import SwarmKeyAuthorizer
 from dht.forking import forking
 from dht.identity import Identity, fingerprint, owner_of
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
 from swarm.net import DHT_WAIT_TIMEOUT_S, listen_multiaddrs
+from swarm.protocol.access import SwarmKey
 from swarm.protocol.tls import pin
 
 logger = logging.getLogger(__name__)
@@ -40,31 +43,46 @@ def start_dht(
     identity: Identity | None = None,
     swarm_name: str | None = None,
     wait_timeout: float = DHT_WAIT_TIMEOUT_S,
+    swarm_key: SwarmKey | None = None,
 ) -> hivemind.DHT:
     """Blocking (about a second): call it before the event loop starts, or in an executor. `identity` signs this
     node's records (a fresh one if None: the node still validates everyone else's). `swarm_name`: also refuse
     malformed records under that swarm's stage keys (dht/records.py). `identity_path`: libp2p's key. `wait_timeout`:
-    how long the node waits for another node's answer (hivemind's)."""
+    how long the node waits for another node's answer (hivemind's). `swarm_key`: a private swarm's; the node then
+    talks only to nodes that hold it (swarm/protocol/access.py)."""
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     ensure_reaper()  # hivemind's child and its p2pd die with us, even if we are killed (dht/reaper.py)
+    identity = identity or Identity()
     dht = hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=listen_multiaddrs(host, port),
         client_mode=client_mode,
         identity_path=identity_path,
-        record_validators=[
-            (identity or Identity()).validator,
-            *([StageRecordValidator(swarm_name)] if swarm_name else []),
-        ],
+        record_validators=[identity.validator, *([StageRecordValidator(swarm_name)] if swarm_name else [])],
+        authorizer=None if swarm_key is None else SwarmKeyAuthorizer(swarm_key, identity.private_key),
         start=False,
         wait_timeout=wait_timeout,
     )
     with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
         dht.run_in_background(await_ready=False)
-    dht.wait_until_ready()
+    try:
+        dht.wait_until_ready()
+    except Exception as e:  # hivemind's "bootstrap failed: none of the initial_peers responded"
+        if "bootstrap" not in str(e):
+            raise
+        ours = f"this peer's key is swarm {swarm_key.swarm_id}" if swarm_key else "this peer has no --swarm-key"
+        raise RuntimeError(
+            f"no DHT peer of --initial-peers answered. Check the addresses; a private swarm answers only peers with "
+            f"its key ({ours})"
+        ) from None
     return dht
+
+
+async def _ping(p2p_id: str, _dht, node) -> None:
+    """In the DHT's process (`introduce`): hivemind's ping, which adds us to the other node's routing table."""
+    await node.protocol.call_ping(PeerID.from_base58(p2p_id))
 
 
 class SwarmDHT:
@@ -75,11 +93,13 @@ class SwarmDHT:
         identity: Identity,
         config: dict[str, Any] | None = None,
         timeout: float = 10.0,
+        swarm_key: SwarmKey | None = None,
     ):
         """`identity` must be the one `dht` was started with (its validator signs our records). `config`: the
         settings peers must share (dht/records.py `settings`); we announce them, and discovery skips servers whose
-        records disagree on any of them, saying which."""
+        records disagree on any of them, saying which. `swarm_key`: the one `dht` was started with (private swarms)."""
         self.dht, self.swarm_name, self.identity, self.timeout = dht, swarm_name, identity, timeout
+        self.swarm_key = swarm_key
         self.config = config or {}
         self._reported: set[tuple[str, str]] = set()  # (peer, differences) already logged
         self._p2p: P2P | None = None
@@ -91,7 +111,7 @@ class SwarmDHT:
         """Blocking: a new identity and a DHT node signing with it (`kwargs`: those of `start_dht`)."""
         identity = Identity()
         dht = start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs)
-        return cls(dht, swarm_name, identity, config)
+        return cls(dht, swarm_name, identity, config, swarm_key=kwargs.get("swarm_key"))
 
     @property
     def peer_id(self) -> str:
@@ -110,6 +130,12 @@ class SwarmDHT:
             future = self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr, return_future=True)
             self._p2p = await P2P.replicate(await asyncio.wait_for(future, self.timeout))
         return self._p2p
+
+    async def introduce(self, p2p_id: str) -> None:
+        """Ping the DHT node of `p2p_id` (a libp2p id) so that it knows us: in a private swarm our ping proves the swarm
+        key, which lets its averager serve us its state before our record is listed (a joiner)."""
+        future = self.dht.run_coroutine(functools.partial(_ping, p2p_id), return_future=True)
+        await asyncio.wait_for(future, self.timeout)
 
     async def close_p2p(self) -> None:
         """Stop our handlers and remove the handle's unix socket (the daemon is the DHT's: `shutdown` ends it)."""

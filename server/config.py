@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.metrics import MetricsConfig
-from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S
+from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S, SWARM_KEY_HELP
 from swarm.protocol.tensors import FP16_MAX
 from swarm.protocol.tls import TlsConfig
 from swarm.rebalance import RebalanceConfig
@@ -41,6 +41,7 @@ class NetworkConfig:
         default=None, metadata={"help": "port trainers dial (default: the bound --port); e.g. a proxy in front"}
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this server's DHT node"})
+    swarm_key: str | None = field(default=None, metadata={"help": SWARM_KEY_HELP})
     announce_period: float = field(default=5.0, metadata={"help": "seconds between DHT announcements"})
     record_ttl: float = field(default=20.0, metadata={"help": "seconds a DHT record stays valid"})
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})

@@ -26,6 +26,7 @@ from swarm.cli import (
     parse_args,
 )
 from swarm.devices import resolve_device
+from swarm.protocol import access
 
 
 async def _main(server: StageServer) -> None:
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     try:
         cfg, model_cfg = config_from_args(ServerConfig, args), model_from_args(args)
+        swarm_key = access.load(cfg.network.swarm_key)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         host=cfg.network.host,
         port=cfg.network.dht_port,
         wait_timeout=cfg.network.dht_wait_timeout,
+        swarm_key=swarm_key,
     )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))

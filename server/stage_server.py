@@ -197,7 +197,7 @@ class StageServer:
         if self._endpoint is None:
             service = StageService(worker, self.active.schema, collab, cfg.guard)
             server, health_servicer, port = await start_stage_server(
-                service.handler(), cfg.network.host, cfg.network.port, self.tls
+                service.handler(), cfg.network.host, cfg.network.port, self.tls, self.sdht.swarm_key
             )
             if self.tls is not None:
                 logger.info(
@@ -206,7 +206,9 @@ class StageServer:
             self._endpoint = Endpoint(server, health_servicer, port, service)
             service.p2p_id, service.peer_id = self.sdht.p2p_id, self.sdht.peer_id
             service.transport = "grpc+tls" if self.tls else "grpc"
-            await ReachResponder(await self.sdht.p2p()).start()  # every server checks others' reachability
+            await ReachResponder(
+                await self.sdht.p2p(), self.sdht.swarm_key
+            ).start()  # every server checks others' reachability
             if cfg.network.check_reachability:
                 await self.check_reachability()
         collab.address = self.record().address

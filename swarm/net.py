@@ -11,6 +11,10 @@ DHT_WAIT_TIMEOUT_HELP = (
     "while (hivemind's default is 3): a frozen peer's DHT node delays announces, lookups and all-reduce matchmaking "
     "by this much"
 )
+SWARM_KEY_HELP = (
+    "file holding a private swarm's key (swarm-dht --new-swarm-key FILE writes one): only peers given it take part "
+    "(swarm/protocol/access.py); without it the swarm is open"
+)
 
 
 def ip_version(host: str) -> int | None:

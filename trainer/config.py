@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from swarm.compression import CODECS, CompressionPolicy
 from swarm.compression.registry import CODEC_NAMES_HELP
 from swarm.metrics import MetricsConfig
-from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S
+from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S, SWARM_KEY_HELP
 from swarm.protocol.tensors import FP16_MAX
 from trainer.data import parse_hub_name
 
@@ -76,6 +76,7 @@ class TrainerConfig:
     )
     dht_port: int = field(default=0, metadata={"help": "libp2p port of this trainer's DHT node"})
     dht_wait_timeout: float = field(default=DHT_WAIT_TIMEOUT_S, metadata={"help": DHT_WAIT_TIMEOUT_HELP})
+    swarm_key: str | None = field(default=None, metadata={"help": SWARM_KEY_HELP})
     max_activation: float = field(
         default=FP16_MAX,
         metadata={

@@ -21,6 +21,7 @@ from swarm.cli import (
     parse_args,
 )
 from swarm.config import ModelConfig
+from swarm.protocol import access
 from trainer.config import TrainerConfig
 from trainer.data import batches
 from trainer.trainer import Trainer
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     try:
         cfg, model_cfg = config_from_args(TrainerConfig, args), model_from_args(args)
+        swarm_key = access.load(cfg.swarm_key)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         port=cfg.dht_port,
         client_mode=True,
         wait_timeout=cfg.dht_wait_timeout,
+        swarm_key=swarm_key,
     )
     try:
         final = uvloop.run(_main(cfg, model_cfg, sdht))

@@ -21,6 +21,7 @@ from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16
 from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
+from dht.records import stage_key
 from server.collab.hivemind_compat import StrictAverager, start_in_background
 from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_Q, AcpState, Layout
 from server.config import AveragingConfig
@@ -377,6 +378,8 @@ def build_averaging(
         allow_state_sharing=False,
         **common,
     )
+    if sdht.swarm_key is not None:  # private swarm: only listed peers take our state or join our groups
+        averager.listed_under = param_averager.listed_under = stage_key(sdht.swarm_name, stage)
     return Averaging(
         gradients=LowRankGradientAveraging(averager, cfg, grad_codec, acp)
         if acp

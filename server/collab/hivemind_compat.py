@@ -13,12 +13,16 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good;
 - `DecentralizedAverager.rpc_join_group` (extended), `._matchmaking.group_key_manager.get_averagers` (wrapped): to
-  keep peers the stage does not list out of its groups.
+  keep peers the stage does not list out of its groups;
+- `DecentralizedAverager.rpc_download_state` (extended), `.dht`, and the DHT node's
+  `protocol.routing_table.peer_id_to_uid`: in private swarms, to serve our state only to peers that proved the swarm
+  key to our DHT node, or that the stage's records list.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import typing
@@ -38,9 +42,12 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
 
 from dht.forking import forking
+from dht.identity import owner_of
+from dht.records import ServerRecord
 
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
+LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an unknown peer makes us read the DHT
 
 
 def check_version() -> None:
@@ -69,6 +76,12 @@ def _is_peer_id(text: str) -> bool:
     except Exception:  # whatever base58 or multihash raise on garbage
         return False
     return True
+
+
+async def _known(peer_id: str, _dht, node) -> bool:
+    """In the DHT's process: whether the node's routing table holds `peer_id` (in a private swarm, only nodes whose
+    requests proved the swarm key get there)."""
+    return PeerID.from_base58(peer_id) in node.protocol.routing_table.peer_id_to_uid
 
 
 class _MembersOnly:
@@ -149,6 +162,11 @@ class StrictAverager(DecentralizedAverager):
     before anything is sent (`_aggregate_with_group`)."""
 
     _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
+    # private swarms (set before the process forks): the DHT key of the stage's signed records. Nobody may join our
+    # groups before we are told the members, and only the peers those records list (joining peers included) may
+    # download our state: an uninvited libp2p peer that dials us directly gets nothing.
+    listed_under: str | None = None
+    _listed_read_at = float("-inf")
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
         """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
@@ -167,7 +185,49 @@ class StrictAverager(DecentralizedAverager):
             manager.get_averagers = _MembersOnly(manager.get_averagers, self)
 
     def _stranger(self, peer_id: PeerID) -> bool:
-        return self._members is not None and peer_id not in self._members
+        if self._members is None:
+            return self.listed_under is not None
+        return peer_id not in self._members
+
+    async def _listed(self, peer_id: PeerID) -> bool:
+        """The averager's process: whether `peer_id` proved the swarm key to our DHT node (it is in its routing table:
+        a joiner pings our node first, dht/node.py `introduce`), or a signed record under `listed_under` names it
+        (read at most once per LISTED_READ_INTERVAL_S: an unknown peer cannot make us flood the DHT)."""
+        try:
+            if await self.dht.run_coroutine(functools.partial(_known, peer_id.to_base58()), return_future=True):
+                return True
+        except Exception as e:  # the DHT process's errors
+            logger.debug("asking our DHT node about %s failed: %r", peer_id, e)
+        now = asyncio.get_running_loop().time()
+        if self.listed_under is None or now - self._listed_read_at < LISTED_READ_INTERVAL_S:
+            return False
+        self._listed_read_at = now
+        try:
+            found = await self.dht.get(self.listed_under, latest=True, return_future=True)
+        except Exception as e:  # the DHT's errors: a download refused now is asked again later
+            logger.debug("reading the stage's records failed: %r", e)
+            return False
+        if found is None or not isinstance(found.value, dict):
+            return False
+        for subkey, item in found.value.items():
+            record = ServerRecord.from_dict(getattr(item, "value", None))
+            if owner_of(subkey) is not None and record is not None and record.p2p_id == peer_id.to_base58():
+                return True
+        return False
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the hint's `_name`
+        """In a private swarm, a peer the stage's records do not list gets nothing (its download fails at once)."""
+        if (
+            self.listed_under is not None
+            and self._stranger(context.remote_id)
+            and not await self._listed(context.remote_id)
+        ):
+            logger.warning("refused our state to %s: the stage's records do not list it", context.remote_id)
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

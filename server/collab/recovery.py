@@ -8,6 +8,7 @@ the epoch it leaves).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -91,6 +92,9 @@ class Recovery:
         if not p2p_id:
             logger.warning("stage %d: no record of %s's averager", self.stage, source[-6:])
             return False
+        if self.peers.sdht.swarm_key is not None:  # a private swarm: its averager serves only peers that proved the key
+            with contextlib.suppress(Exception):  # the download says why if it still fails
+                await self.peers.sdht.introduce(p2p_id)
         fetch = functools.partial(self.averager.download_state, p2p_id, self.cfg.averaging_timeout)
         for attempt in range(attempts):
             try:

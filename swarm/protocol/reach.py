@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.net import ip_version, is_unspecified, join_host_port
+from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, aio_channel
 from swarm.protocol.tls import valid_cert
@@ -36,6 +37,7 @@ MAX_CONCURRENT = 4
 MAX_HOST_CHARS = 253
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # one dot-separated part of a DNS name
 ASK_TIMEOUT_S = 2 * DIAL_TIMEOUT_S + 2.0  # the node's dial plus libp2p's round trips
+PROOF_PURPOSE = b"reach"
 
 
 def host_of(maddr: Multiaddr) -> str | None:
@@ -64,10 +66,16 @@ async def dial_back(host: str, port: int, expected_p2p_id: str, tls_cert: str = 
 
 
 class ReachResponder:
-    """Answers ReachRequests on a P2P instance (a DHT node's replica: `await dht.replicate_p2p()`)."""
+    """Answers ReachRequests on a P2P instance (a DHT node's replica: `await dht.replicate_p2p()`); with a swarm
+    `key`, only those of askers that prove it."""
 
-    def __init__(self, p2p: P2P, dial: Callable[[str, int, str, str], Awaitable[tuple[bool, str]]] = dial_back):
-        self.p2p, self.dial = p2p, dial
+    def __init__(
+        self,
+        p2p: P2P,
+        key: access.SwarmKey | None = None,
+        dial: Callable[[str, int, str, str], Awaitable[tuple[bool, str]]] = dial_back,
+    ):
+        self.p2p, self.key, self.dial = p2p, key, dial
         self._last: dict[PeerID, float] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
 
@@ -76,6 +84,8 @@ class ReachResponder:
 
     async def handle(self, request: pb.ReachRequest, context: P2PContext) -> pb.ReachReply:
         asker = context.remote_id
+        if self.key is not None and not self.key.verify(request.proof, PROOF_PURPOSE, asker.to_bytes()):
+            return pb.ReachReply(detail="refused: this swarm is private and the request did not prove its key")
         now = time.monotonic()
         if now - self._last.get(asker, -MIN_INTERVAL_S) < MIN_INTERVAL_S or self._slots.locked():
             return pb.ReachReply(detail=f"busy: ask again in {MIN_INTERVAL_S:.0f}s")
@@ -151,8 +161,10 @@ async def check_reachability(
 ) -> Reachability:
     """Ask each of `helpers` (not us) to dial our Stage service at host:port (`host` unspecified: at the address it
     sees us at). Never raises: a helper that does not answer, or could not check (busy, no direct connection to us),
-    counts in neither list."""
+    counts in neither list. In a private swarm the request proves this process's swarm key (access.KEY)."""
     request = pb.ReachRequest(host="" if is_unspecified(host) else host, port=port, tls_cert=tls_cert)
+    if access.KEY is not None:
+        request.proof = access.KEY.peer_proof(PROOF_PURPOSE, p2p.peer_id.to_bytes())
 
     async def ask(peer: PeerID) -> pb.ReachReply | None:
         try:

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarm.net import join_host_port
+from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
@@ -104,18 +105,28 @@ class Channels:
 
 class StageStub:
     """The stage service's methods on one channel (sync or asyncio: both have the same multi-callable factories).
-    Forward and Backward take and yield serialized frames (bytes); Info and Progress take and return messages."""
+    Forward and Backward take and yield serialized frames (bytes); Info and Progress take and return messages.
+    In a private swarm every call carries a proof of the swarm key (`key`; default: this process's, access.KEY)."""
 
-    def __init__(self, channel: grpc.Channel | grpc.aio.Channel):
-        self.forward = channel.stream_stream(f"/{SERVICE}/Forward")
-        self.backward = channel.stream_stream(f"/{SERVICE}/Backward")
-        self.info = channel.unary_unary(
-            f"/{SERVICE}/Info",
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, key: access.SwarmKey | None = None):
+        key = access.KEY if key is None else key
+
+        def method(name: str, factory, **serializers):
+            path = f"/{SERVICE}/{name}"
+            call = factory(path, **serializers)
+            return call if key is None else access.ProvingCall(call, path, key)
+
+        self.forward = method("Forward", channel.stream_stream)
+        self.backward = method("Backward", channel.stream_stream)
+        self.info = method(
+            "Info",
+            channel.unary_unary,
             request_serializer=pb.InfoRequest.SerializeToString,
             response_deserializer=pb.InfoReply.FromString,
         )
-        self.progress = channel.unary_unary(
-            f"/{SERVICE}/Progress",
+        self.progress = method(
+            "Progress",
+            channel.unary_unary,
             request_serializer=pb.StageProgress.SerializeToString,
             response_deserializer=pb.ProgressAck.FromString,
         )
@@ -158,8 +169,10 @@ def stage_handler(forward, backward, info, progress) -> grpc.GenericRpcHandler:
     )
 
 
-def aio_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def aio_server(key: access.SwarmKey | None = None) -> grpc.aio.Server:
+    """A server that, given a swarm `key`, refuses calls without a proof of it (swarm/protocol/access.py)."""
+    interceptors = [access.RequireSwarmKey(key)] if key is not None else []
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = None) -> int:
@@ -170,10 +183,15 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None = 
 
 
 async def start_stage_server(
-    handler: grpc.GenericRpcHandler, host: str, port: int, tls: ServerTls | None = None
+    handler: grpc.GenericRpcHandler,
+    host: str,
+    port: int,
+    tls: ServerTls | None = None,
+    key: access.SwarmKey | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """Start the stage service and the standard grpc.health.v1 service; returns them and the bound port."""
-    server = aio_server()
+    """Start the stage service and the standard grpc.health.v1 service; returns them and the bound port. With a swarm
+    `key`, only calls that prove it reach the stage service."""
+    server = aio_server(key)
     server.add_generic_rpc_handlers([handler])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -210,14 +210,16 @@ class ProgressAck(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
-    __slots__ = ("host", "port", "tls_cert")
+    __slots__ = ("host", "port", "tls_cert", "proof")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     tls_cert: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., tls_cert: _Optional[str] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., tls_cert: _Optional[str] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class ReachReply(_message.Message):
     __slots__ = ("reachable", "dialled", "detail")

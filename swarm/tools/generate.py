@@ -37,6 +37,8 @@ from swarm.compression import CODECS, CompressionPolicy
 from swarm.config import ModelConfig
 from swarm.devices import resolve_device
 from swarm.model import GPT
+from swarm.net import SWARM_KEY_HELP
+from swarm.protocol import access
 from swarm.protocol.tensors import WireError, WireStats
 from trainer.client import StageClient
 from trainer.config import TrainerConfig
@@ -56,6 +58,7 @@ class GenerateConfig:
         default_factory=list, metadata={"help": "or: multiaddrs of any DHT peer of a live swarm to sample through"}
     )
     swarm_name: str = field(default=TrainerConfig.swarm_name, metadata={"help": "DHT namespace of the live swarm"})
+    swarm_key: str | None = field(default=None, metadata={"help": SWARM_KEY_HELP})
     prompt: str = field(default="def ", metadata={"help": "text to continue"})
     max_new_bytes: int = field(default=200, metadata={"help": "bytes to sample after the prompt"})
     temperature: float = field(default=0.8, metadata={"help": "softmax temperature; 0: always the likeliest byte"})
@@ -301,7 +304,12 @@ async def _on_swarm(
 def join(cfg: GenerateConfig, model_cfg: ModelConfig) -> SwarmDHT:
     """Blocking: a client DHT node of the swarm (it serves nothing and stores nothing)."""
     try:
-        return SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, swarm_settings(model_cfg), client_mode=True)
+        swarm_key = access.load(cfg.swarm_key)
+        return SwarmDHT.start(
+            cfg.swarm_name, cfg.initial_peers, swarm_settings(model_cfg), client_mode=True, swarm_key=swarm_key
+        )
+    except ValueError as e:  # the key file
+        raise SwarmError(str(e)) from None
     except Exception as e:  # hivemind's errors for unreachable or malformed multiaddrs
         raise SwarmError(f"could not join the DHT through --initial-peers {' '.join(cfg.initial_peers)}: {e!r}") from e
 

@@ -44,6 +44,7 @@ from swarm.cli import (
 )
 from swarm.compression import CODECS
 from swarm.config import PRESETS, ModelConfig, model_config
+from swarm.protocol.access import SwarmKey
 from swarm.rebalance import RebalanceConfig
 from trainer.config import TrainerConfig
 
@@ -113,6 +114,10 @@ class LocalConfig:
     )
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
+    private: bool = field(
+        default=False,
+        metadata={"help": "a private swarm: every peer gets a new swarm key (log dir's swarm.key), others are refused"},
+    )
     rebalance_period_s: float = field(
         default=RebalanceConfig.period_s,
         metadata={
@@ -237,12 +242,19 @@ class Child:
 class LocalSwarm:
     """Starts and stops the processes of a local swarm. Use as a context manager: exit stops every process group."""
 
-    def __init__(self, log_dir: Path, swarm_name: str = "local", model_args: list[str] | None = None):
+    def __init__(
+        self, log_dir: Path, swarm_name: str = "local", model_args: list[str] | None = None, private: bool = False
+    ):
+        """`private`: a new swarm key in `log_dir`/swarm.key, given to every peer (swarm/protocol/access.py)."""
         self.log_dir, self.swarm_name = log_dir, swarm_name
         self.model_args = model_args or []
         self.children: dict[str, Child] = {}
         self.initial_peers: list[str] = []
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.key_args: list[str] = []  # --swarm-key FILE for every peer of a private swarm
+        if private:
+            SwarmKey.new().write(log_dir / "swarm.key")
+            self.key_args = ["--swarm-key", str(log_dir / "swarm.key")]
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -267,6 +279,7 @@ class LocalSwarm:
     def start_dht(self, timeout: float = 60.0) -> list[str]:
         maddr_file = self.log_dir / "dht.maddr"
         args = ["--host", "127.0.0.1", "--port", "0", "--maddr-file", str(maddr_file), "--swarm-name", self.swarm_name]
+        args += self.key_args
         child = self.spawn("dht", "dht.main", args)
         deadline = time.monotonic() + timeout
         while not maddr_file.exists():
@@ -280,7 +293,7 @@ class LocalSwarm:
         """A swarm-monitor dashboard of this swarm on 127.0.0.1; returns its URL once it serves."""
         url_file = self.log_dir / "monitor.url"
         url_file.unlink(missing_ok=True)
-        args = ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers]
+        args = ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.key_args]
         child = self.spawn("monitor", "swarm.tools.monitor", [*args, "--port", str(port), "--url-file", str(url_file)])
         deadline = time.monotonic() + timeout
         while not url_file.exists():
@@ -290,7 +303,14 @@ class LocalSwarm:
         return url_file.read_text()
 
     def _common(self) -> list[str]:
-        return ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.model_args]
+        return [
+            "--swarm-name",
+            self.swarm_name,
+            "--initial-peers",
+            *self.initial_peers,
+            *self.key_args,
+            *self.model_args,
+        ]
 
     def start_server(self, name: str, stage: int | str, extra: Sequence[str] = ()) -> Child:
         """`extra` flags override the local defaults (`local_server`): the last occurrence of a flag wins."""
@@ -427,7 +447,10 @@ def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> s
     out_path, log_path = swarm.log_dir / "sample.txt", swarm.log_dir / "generate.log"
     try:
         gen = GenerateConfig(
-            initial_peers=swarm.initial_peers, swarm_name=swarm.swarm_name, max_new_bytes=cfg.sample_bytes
+            initial_peers=swarm.initial_peers,
+            swarm_name=swarm.swarm_name,
+            max_new_bytes=cfg.sample_bytes,
+            swarm_key=swarm.key_args[1] if swarm.key_args else None,
         )
         print(f"sampling {cfg.sample_bytes} bytes after {gen.prompt!r} from the swarm (see {log_path})...", flush=True)
         with open(out_path, "wb") as out, open(log_path, "ab") as log:
@@ -467,7 +490,7 @@ def run(cfg: LocalConfig, stop: threading.Event) -> dict:
         f"logs in {log_dir}",
         flush=True,
     )
-    with LocalSwarm(log_dir, cfg.swarm_name, model_args) as swarm:
+    with LocalSwarm(log_dir, cfg.swarm_name, model_args, cfg.private) as swarm:
         swarm.start_dht()
         start_peers(swarm, cfg)
         if cfg.monitor_port >= 0:

@@ -30,6 +30,8 @@ from aiohttp import web
 from dht.node import SwarmDHT
 from dht.records import PeerEntry
 from swarm.cli import add_config_args, add_config_file_arg, config_from_args, parse_args
+from swarm.net import SWARM_KEY_HELP
+from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 
@@ -52,6 +54,7 @@ class MonitorConfig:
     history: int = field(default=1800, metadata={"help": "points kept per chart (oldest dropped first)"})
     info_timeout: float = field(default=2.0, metadata={"help": "seconds a server has to answer Info"})
     url_file: str | None = field(default=None, metadata={"help": "write the page's URL here once it serves"})
+    swarm_key: str | None = field(default=None, metadata={"help": SWARM_KEY_HELP})
 
     def __post_init__(self) -> None:
         if self.refresh <= 0 or self.info_timeout <= 0 or self.history < 2:
@@ -369,10 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     try:
         cfg = config_from_args(MonitorConfig, args)
+        swarm_key = access.load(cfg.swarm_key)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, client_mode=True)
+    sdht = SwarmDHT.start(cfg.swarm_name, cfg.initial_peers, client_mode=True, swarm_key=swarm_key)
     try:
         uvloop.run(_main(cfg, sdht))
     finally:

@@ -1,0 +1,232 @@
+"""Private swarms (swarm/protocol/access.py): only peers with the swarm key take part. Real gRPC servers, real DHT
+nodes and averagers; forged, stale, replayed and missing proofs."""
+
+import asyncio
+import functools
+import logging
+import os
+import re
+import time
+
+import grpc
+import hivemind
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dht.identity import Identity
+from dht.node import SwarmDHT, start_dht
+from dht.records import stage_key
+from server.collab.hivemind_compat import StrictAverager
+from swarm.cli import to_argv
+from swarm.protocol import access
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.access import CALL_WINDOW_S, METADATA_KEY, SwarmKey
+from swarm.protocol.rpc import SERVICE, StageStub, aio_channel, stage_handler, start_stage_server
+from swarm.tools.local import LocalSwarm
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+INFO = f"/{SERVICE}/Info"
+
+
+def test_a_key_file_round_trips_privately_and_errors_never_quote_it(tmp_path):
+    key = SwarmKey.new()
+    path = tmp_path / "swarm.key"
+    key.write(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        key.write(path)  # never over an existing key
+    assert SwarmKey.from_file(path).swarm_id == key.swarm_id
+    secret = path.read_text().strip()
+    assert secret not in repr(key) and secret not in key.swarm_id and key.swarm_id in repr(key)
+    for content in ("zz" * 40, secret[:20], ""):
+        (tmp_path / "bad.key").write_text(content)
+        with pytest.raises(ValueError) as err:
+            SwarmKey.from_file(tmp_path / "bad.key")
+        assert not content or content not in str(err.value)
+    with pytest.raises(ValueError, match="cannot read"):
+        SwarmKey.from_file(tmp_path / "missing.key")
+
+
+def test_call_proofs_are_bound_to_key_method_time_and_a_single_use():
+    key, other = SwarmKey.new(), SwarmKey.new()
+    token = key.call_token(INFO)
+    assert key.check_call(INFO, token) is None
+    assert "used before" in key.check_call(INFO, token)  # a replay
+    assert "wrong swarm key" in key.check_call(INFO, other.call_token(INFO))
+    assert "wrong swarm key" in key.check_call(f"/{SERVICE}/Forward", key.call_token(INFO))  # another method
+    stamp = str(int((time.time() - 2 * CALL_WINDOW_S) * 1000))
+    stale = f"{stamp}-00-{key.mac(b'grpc', INFO.encode(), stamp.encode(), b'00').hex()}"
+    assert "old" in key.check_call(INFO, stale)
+    for garbage in (None, "", "-", "1-2", "1-2-3-4", "x-00-00", "1-00-zz", "9" * 200, "-1-00-" + "0" * 64):
+        reason = key.check_call(INFO, garbage)
+        assert reason is not None and len(reason) < 200, (garbage, reason)
+    fresh = [key.call_token(INFO) for _ in range(100)]
+    assert [key.check_call(INFO, t) for t in fresh] == [None] * 100
+
+
+@pytest.fixture
+async def private_server():
+    """A Stage service behind a swarm key, whose handlers count what reaches them."""
+    key = SwarmKey.new()
+    reached: list[str] = []
+
+    async def info(request, context):
+        reached.append("Info")
+        return pb.InfoReply(stage=1)
+
+    async def forward(request_iterator, context):
+        reached.append("Forward")
+        async for _ in request_iterator:
+            pass
+        yield b""
+
+    server, _, port = await start_stage_server(stage_handler(forward, forward, info, info), "127.0.0.1", 0, key=key)
+    try:
+        yield key, f"127.0.0.1:{port}", reached
+    finally:
+        await server.stop(None)
+
+
+async def test_a_private_server_refuses_calls_without_the_key_before_its_handlers_run(private_server):
+    key, address, reached = private_server
+    async with aio_channel(address) as channel:
+        assert (await StageStub(channel, key).info(pb.InfoRequest(), timeout=5)).stage == 1
+        assert reached == ["Info"]
+        refusals = {
+            "no key": StageStub(channel).info(pb.InfoRequest(), timeout=5),
+            "another key": StageStub(channel, SwarmKey.new()).info(pb.InfoRequest(), timeout=5),
+            "garbage proof": StageStub(channel).info(pb.InfoRequest(), timeout=5, metadata=((METADATA_KEY, "1-2-3"),)),
+        }
+        for what, call in refusals.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+            assert key.swarm_id in err.value.details() and len(err.value.details()) < 300, what
+        # a replayed proof: the same metadata sent twice
+        proof = ((METADATA_KEY, key.call_token(INFO)),)
+        raw = channel.unary_unary(INFO)
+        assert pb.InfoReply.FromString(await raw(b"", metadata=proof, timeout=5)).stage == 1
+        with pytest.raises(grpc.aio.AioRpcError, match="used before") as err:
+            await raw(b"", metadata=proof, timeout=5)
+        # a stream without the key: refused whatever it sends, and its frames never reach the handler
+        call = StageStub(channel).forward(iter([b"\xff" * 1000] * 50), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert reached == ["Info", "Info"]
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # whether it is up, nothing else
+
+
+async def test_this_processs_key_makes_every_stub_prove_it(private_server, monkeypatch):
+    key, address, _ = private_server
+    monkeypatch.setattr(access, "KEY", key)
+    async with aio_channel(address) as channel:
+        assert (await StageStub(channel).info(pb.InfoRequest(), timeout=5)).stage == 1
+
+
+async def test_only_nodes_with_the_key_join_a_private_dht_and_the_key_never_reaches_the_logs(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    key = SwarmKey.new()
+    key.write(tmp_path / "swarm.key")
+    secret = (tmp_path / "swarm.key").read_text().strip()
+    loop = asyncio.get_running_loop()
+    boot = await loop.run_in_executor(None, functools.partial(start_dht, swarm_key=key))
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    member = None
+    try:
+        member = await loop.run_in_executor(None, functools.partial(start_dht, maddrs, swarm_key=key))
+        assert await loop.run_in_executor(None, member.store, "k", "v", time.time() + 60)
+        assert (await loop.run_in_executor(None, boot.get, "k")).value == "v"
+        for other in (None, SwarmKey.new()):
+            with pytest.raises(RuntimeError, match="private swarm answers only peers with its key"):
+                await loop.run_in_executor(None, functools.partial(start_dht, maddrs, swarm_key=other))
+    finally:
+        for node in (member, boot):
+            if node is not None:
+                node.shutdown()
+    assert secret not in caplog.text and secret not in repr(key)
+
+
+async def test_a_private_averager_serves_its_state_only_to_peers_that_proved_the_key():
+    """A donor in a private DHT: a stranger that dials its libp2p address directly (its DHT node could not join: no
+    key) downloads nothing; a member of the DHT, listed on no stage yet (a joiner), gets the state once it has
+    introduced itself to the donor's DHT node."""
+    key = SwarmKey.new()
+    loop = asyncio.get_running_loop()
+    boot = await loop.run_in_executor(None, functools.partial(start_dht, swarm_key=key))
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    member_identity = Identity()
+    donor_dht, member_dht = [
+        await loop.run_in_executor(None, functools.partial(start_dht, maddrs, identity=i, swarm_key=key))
+        for i in (Identity(), member_identity)
+    ]
+    donor_maddrs = [str(m) for m in donor_dht.get_visible_maddrs()]
+    stranger_dht = await loop.run_in_executor(
+        None, functools.partial(hivemind.DHT, initial_peers=donor_maddrs, start=True, ensure_bootstrap_success=False)
+    )
+    common = dict(prefix="access_state", start=False, min_matchmaking_time=1.0, request_timeout=0.5)
+    donor = StrictAverager(averaged_tensors=[torch.arange(4.0)], dht=donor_dht, allow_state_sharing=True, **common)
+    donor.listed_under = stage_key("t", 0)  # before its process forks, as build_averaging does
+    member = StrictAverager(averaged_tensors=[torch.zeros(4)], dht=member_dht, **common)
+    stranger = StrictAverager(averaged_tensors=[torch.zeros(4)], dht=stranger_dht, **common)
+    averagers = (donor, member, stranger)
+    for averager in averagers:
+        averager.run_in_background(await_ready=True)
+    try:
+        assert await loop.run_in_executor(None, stranger.download_state, str(donor.peer_id), 5.0) is None
+        await SwarmDHT(member_dht, "t", member_identity, swarm_key=key).introduce(str(donor.peer_id))
+        got = await loop.run_in_executor(None, member.download_state, str(donor.peer_id), 5.0)
+        assert got is not None and torch.equal(got[1][0], torch.arange(4.0))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in (stranger_dht, member_dht, donor_dht, boot):
+            dht.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_private_swarm_trains_its_members_and_refuses_the_uninvited(tmp_path):
+    """swarm-local's private swarm: a trainer with the key trains through servers with the key; a server with another
+    key and a trainer with none are refused at the DHT and exit saying why; a call to a server without the key is
+    refused; a server that joins later downloads its stage's state; the key appears in no log."""
+    other_key = tmp_path / "other.key"
+    SwarmKey.new().write(other_key)
+    model = ["--preset", "tiny_test", "--n-stages", "2"]
+    with LocalSwarm(tmp_path / "logs", "private", model, private=True) as swarm:
+        swarm.start_dht()
+        for stage in range(2):
+            swarm.start_server(f"server-s{stage}", stage, ["--no-rebalance"])
+        swarm.start_trainer("trainer-0", ["--max-steps", "12", "--batch-size", "2"])
+        swarm.start_server("intruder-server", 0, ["--swarm-key", str(other_key)])
+        open_argv = [*to_argv(swarm.local_trainer("intruder")), "--swarm-name", "private", *model]
+        swarm.spawn("intruder-trainer", "trainer.main", [*open_argv, "--initial-peers", *swarm.initial_peers])
+        for name in ("intruder-server", "intruder-trainer"):
+            child = swarm.children[name]
+            assert child.proc.wait(120) != 0, name
+            assert "a private swarm answers only peers with its key" in child.log_path.read_text(), name
+        trainer = swarm.children["trainer-0"]
+        wait_for(lambda: not trainer.alive(), 240, "the member trainer's 12 microbatches")
+        assert trainer.proc.returncode == 0
+        stats = swarm.trainer_stats()[0]
+        assert stats["steps"] >= 12 and stats["lost_microbatches"] == 0, stats
+        served = re.search(r"serving at (\S+);", swarm.children["server-s1"].log_path.read_text())
+        assert served, "server-s1 did not serve"
+
+        async def call_without_key() -> grpc.StatusCode:
+            async with aio_channel(served.group(1)) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await StageStub(channel).info(pb.InfoRequest(), timeout=5)
+                return err.value.code()
+
+        assert asyncio.run(call_without_key()) == grpc.StatusCode.PERMISSION_DENIED
+        # a member joining later gets the stage's state from its peer, before its own record is listed
+        late = swarm.start_server("server-s1-late", 1, ["--no-rebalance"])
+        wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, "the late server's state download")
+    secret = (tmp_path / "logs" / "swarm.key").read_text().strip()
+    logs = list((tmp_path / "logs").glob("*.log"))
+    assert logs and not [p.name for p in logs if secret in p.read_text(errors="replace")]
