@@ -14,10 +14,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dht.forking import forking
 from dht.identity import Identity
 from dht.node import SwarmDHT, start_dht
 from dht.records import stage_key
-from server.collab.hivemind_compat import StrictAverager
+from server.collab.hivemind_compat import StrictAverager, start_in_background
 from swarm.cli import to_argv
 from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
@@ -165,9 +166,12 @@ async def test_a_private_averager_serves_its_state_only_to_peers_that_proved_the
         for i in (Identity(), member_identity)
     ]
     donor_maddrs = [str(m) for m in donor_dht.get_visible_maddrs()]
-    stranger_dht = await loop.run_in_executor(
-        None, functools.partial(hivemind.DHT, initial_peers=donor_maddrs, start=True, ensure_bootstrap_success=False)
-    )
+
+    def stranger_node() -> hivemind.DHT:  # a stock node with no key: it cannot bootstrap, but it dials the donor
+        with forking():
+            return hivemind.DHT(initial_peers=donor_maddrs, start=True, ensure_bootstrap_success=False)
+
+    stranger_dht = await loop.run_in_executor(None, stranger_node)
     common = dict(prefix="access_state", start=False, min_matchmaking_time=1.0, request_timeout=0.5)
     donor = StrictAverager(averaged_tensors=[torch.arange(4.0)], dht=donor_dht, allow_state_sharing=True, **common)
     donor.listed_under = stage_key("t", 0)  # before its process forks, as build_averaging does
@@ -175,7 +179,9 @@ async def test_a_private_averager_serves_its_state_only_to_peers_that_proved_the
     stranger = StrictAverager(averaged_tensors=[torch.zeros(4)], dht=stranger_dht, **common)
     averagers = (donor, member, stranger)
     for averager in averagers:
-        averager.run_in_background(await_ready=True)
+        start_in_background(averager)  # forks with the collector frozen (dht/forking.py)
+    for averager in averagers:
+        averager.wait_until_ready(30)
     try:
         assert await loop.run_in_executor(None, stranger.download_state, str(donor.peer_id), 5.0) is None
         await SwarmDHT(member_dht, "t", member_identity, swarm_key=key).introduce(str(donor.peer_id))

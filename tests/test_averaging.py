@@ -12,6 +12,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
 from server.collab.hivemind_compat import StrictAverager
@@ -24,19 +25,20 @@ def run_round(averager_cls, codec: str, tensors: list[list[torch.Tensor]]) -> li
     """One all-reduce among len(tensors) peers (peer i has weight i + 1); returns each peer's tensors after it."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in tensors]
-    averagers = [
-        averager_cls(
-            averaged_tensors=[t.clone() for t in ts],
-            dht=dht,
-            prefix=f"avgtest_{averager_cls.__name__}_{codec}",
-            start=True,
-            min_matchmaking_time=1.0,
-            request_timeout=0.5,
-            compression=hivemind_compression(get_codec(codec)),
-            target_group_size=len(tensors),
-        )
-        for ts, dht in zip(tensors, dhts, strict=True)
-    ]
+    with forking():  # the children must not finalize what earlier tests left in this process (dht/forking.py)
+        averagers = [
+            averager_cls(
+                averaged_tensors=[t.clone() for t in ts],
+                dht=dht,
+                prefix=f"avgtest_{averager_cls.__name__}_{codec}",
+                start=True,
+                min_matchmaking_time=1.0,
+                request_timeout=0.5,
+                compression=hivemind_compression(get_codec(codec)),
+                target_group_size=len(tensors),
+            )
+            for ts, dht in zip(tensors, dhts, strict=True)
+        ]
     try:
         when = get_dht_time() + 1.0
         results: list = [None] * len(tensors)
@@ -133,11 +135,13 @@ def test_a_stranger_under_the_prefix_never_joins_the_stage_round():
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(3)]
     common = dict(prefix="avgtest_members", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
-    peers = [
-        StrictAverager(averaged_tensors=[t.clone()], dht=dht, **common) for t, dht in zip((a, b), dhts[:2], strict=True)
-    ]
-    # hivemind names handlers by class: a stranger that wants in runs the same class, without being told members
-    stranger = StrictAverager(averaged_tensors=[stranger_values.clone()], dht=dhts[2], **common)
+    with forking():  # see run_round
+        peers = [
+            StrictAverager(averaged_tensors=[t.clone()], dht=dht, **common)
+            for t, dht in zip((a, b), dhts[:2], strict=True)
+        ]
+        # hivemind names handlers by class: a stranger that wants in runs the same class, without being told members
+        stranger = StrictAverager(averaged_tensors=[stranger_values.clone()], dht=dhts[2], **common)
     try:
         for peer, other in zip(peers, reversed(peers), strict=True):
             peer.expect_group(None, [str(other.peer_id), "not a peer id"])
