@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from swarm.protocol.tls import valid_cert
 RECORD_VERSION = 1
 MAX_STAGES = 256  # stage keys the validator knows (keys reach validators hashed: they are precomputed)
 MAX_RECORD_BYTES = 4096
+
+
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")  # a base58 libp2p id: the address of a p2p_only record
 
 
 def stage_key(swarm_name: str, stage: int) -> str:
@@ -44,12 +48,14 @@ class ServerRecord:
     online: bool = True  # False: a tombstone left by a peer that withdrew
     p2p_id: str = ""  # the peer's libp2p id, for hivemind's averagers (its swarm id is its key's fingerprint)
     tls_cert: str = ""  # PEM: its gRPC endpoint serves TLS with this certificate, which callers trust alone ("": none)
+    p2p_only: bool = False  # the swarm cannot dial host:port (behind NAT): call it over libp2p, at its p2p_id
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # what must match between peers: `settings`
     version: int = RECORD_VERSION
 
     @property
     def address(self) -> str:
-        return join_host_port(self.host, self.port)
+        """Where callers reach it: host:port, or "p2p:<libp2p id>" for a server they cannot dial (swarm/protocol/p2p.py)."""
+        return f"p2p:{self.p2p_id}" if self.p2p_only else join_host_port(self.host, self.port)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,6 +83,7 @@ class ServerRecord:
             isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
             isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
+            isinstance(rec.p2p_only, bool) and (not rec.p2p_only or _PEER_ID.fullmatch(rec.p2p_id) is not None),
             isinstance(rec.tls_cert, str) and (rec.tls_cert == "" or valid_cert(rec.tls_cert)),
             _plain_settings(rec.config),
         )

@@ -47,6 +47,14 @@ class NetworkConfig:
     peer_timeout: float = field(default=2.0, metadata={"help": "deadline of a progress message to a stage peer"})
     dht_wait_timeout: float = field(default=DHT_WAIT_TIMEOUT_S, metadata={"help": DHT_WAIT_TIMEOUT_HELP})
     drain_timeout: float = field(default=10.0, metadata={"help": "on SIGTERM: seconds to finish queued requests"})
+    transport: str = field(
+        default="auto",
+        metadata={
+            "help": "how callers reach this server: grpc (dial host:port), p2p (over libp2p, through its DHT node: for a "
+            "server behind NAT), auto (p2p if the reachability check finds the swarm cannot dial us)",
+            "choices": ["auto", "grpc", "p2p"],
+        },
+    )
     check_reachability: bool = field(
         default=True,
         metadata={"help": "at start, ask a few swarm peers to dial our gRPC address back, and say whether they could"},

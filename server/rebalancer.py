@@ -74,7 +74,7 @@ class Rebalancer:
         self.server = server
         self.cfg = server.cfg.rebalancing
         self.peer_id = server.sdht.peer_id
-        self.channels = Channels()
+        self.channels = Channels(server.sdht.p2p)
 
     async def view(self, as_of: float, verified: bool = False) -> SwarmView:
         """The swarm's load as the DHT records stood at `as_of`; `verified`: only records whose servers answer as

@@ -205,7 +205,7 @@ class StageService:
             and 0 <= msg.admitted < 2**40
             and 0 <= msg.admitted_next < 2**40
             and len(msg.address) <= 300
-            and (not msg.address or msg.address.rpartition(":")[2].isdigit())
+            and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith("p2p:"))
             and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
             and len(msg.signature) <= 2048
         )

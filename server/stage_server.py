@@ -30,6 +30,7 @@ from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.model import Stage
 from swarm.net import is_unspecified
+from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.reach import ReachResponder
 from swarm.protocol.rpc import SERVICE, start_stage_server
 from swarm.protocol.tls import ServerTls
@@ -94,6 +95,7 @@ class StageServer:
         self._endpoint: Endpoint | None = None
         self._counted = (time.monotonic(), 0)  # (when, samples processed) at the last snapshot
         self.seen_host: str | None = None  # where the swarm's peers see us (reachability self-test)
+        self.p2p_only = False  # callers reach us over libp2p: the swarm cannot dial our gRPC port (--transport)
         self.tls = ServerTls.from_config(cfg.tls)
 
     @property
@@ -138,6 +140,8 @@ class StageServer:
             joined_at=self.joined_at,
             ready=ready,
             tls_cert=self.tls.cert_pem if self.tls else "",
+            p2p_id=self.sdht.p2p_id,
+            p2p_only=self.p2p_only,
         )
 
     async def check_reachability(self) -> None:
@@ -154,7 +158,15 @@ class StageServer:
         elif is_unspecified(host):
             logger.warning("announcing %s, which nobody can dial: pass --announce-host", host)
         report = test.report(port, "--announce-host/--announce-port")
-        (logger.info if test.result.ok or not test.result.answered else logger.warning)(report)
+        unreachable = test.result.answered and not test.result.ok
+        (logger.warning if unreachable else logger.info)(report)
+        if unreachable and net.transport == "auto":
+            self.p2p_only = True
+            logger.warning(
+                "serving over libp2p instead (its address: p2p:%s): trainers and stage peers reach us through their "
+                "DHT nodes, directly or relayed as libp2p manages; slower than direct gRPC",
+                self.sdht.p2p_id,
+            )
 
     async def announce(self, ready: bool = True, stage: int | None = None) -> None:
         try:
@@ -205,12 +217,16 @@ class StageServer:
                 )
             self._endpoint = Endpoint(server, health_servicer, port, service)
             service.p2p_id, service.peer_id = self.sdht.p2p_id, self.sdht.peer_id
-            service.transport = "grpc+tls" if self.tls else "grpc"
-            await ReachResponder(
-                await self.sdht.p2p(), self.sdht.swarm_key
-            ).start()  # every server checks others' reachability
+            p2p = await self.sdht.p2p()
+            # the same handlers over libp2p, for callers reaching us there (p2p_only: swarm/protocol/p2p.py)
+            await serve_over_p2p(
+                p2p, service.forward, service.backward, service.info, service.progress, self.sdht.swarm_key
+            )
+            await ReachResponder(p2p, self.sdht.swarm_key).start()  # every server checks others' reachability
+            self.p2p_only = cfg.network.transport == "p2p"
             if cfg.network.check_reachability:
                 await self.check_reachability()
+            service.transport = "p2p" if self.p2p_only else "grpc+tls" if self.tls else "grpc"
         collab.address = self.record().address
         await collab.start()
         self.service.attach(worker, self.active.schema, collab)

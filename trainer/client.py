@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -62,13 +63,15 @@ class StageClient:
         max_tensor_bytes: int,
         max_activation: float = FP16_MAX,
         backward_epilogue: float = 1.0,
+        p2p: Callable[[], Awaitable] | None = None,
     ):
         """Replies are refused (WireError) above `max_tensor_bytes` per tensor or with a value beyond
         `max_activation` in magnitude (or NaN). `backward_epilogue` < 1: servers use the policy's low-rank or top-k
-        gradient codec only for the last share of each global batch (CallMeta.reply_epilogue)."""
+        gradient codec only for the last share of each global batch (CallMeta.reply_epilogue). `p2p`: this
+        process's libp2p handle (`SwarmDHT.p2p`), for servers reached over libp2p."""
         self.policy, self.stats, self.max_activation = policy, stats, max_activation
         self.backward_epilogue = backward_epilogue
-        self.channels = Channels()
+        self.channels = Channels(p2p)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="codec")
         self.reply_limits = Limits(max_tensor_bytes, frozenset({"outputs", "grad_inputs"}))
 

@@ -44,7 +44,10 @@ async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> d
         column=cfg.data_column,
         split=cfg.data_split,
     )
-    return await Trainer(cfg, model_cfg, sdht, data).run(stop)
+    try:
+        return await Trainer(cfg, model_cfg, sdht, data).run(stop)
+    finally:
+        await sdht.close_p2p()  # opened if a server was reached over libp2p: its unix socket goes with it
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,7 +69,9 @@ class Trainer:
         self.versions = [0] * self.n_stages
         self.stats = WireStats()
         max_tensor_bytes = cfg.batch_size * model_cfg.max_seq_len * max(model_cfg.d_model, model_cfg.vocab_size) * 4
-        self.client = StageClient(cfg.policy(), self.stats, max_tensor_bytes, cfg.max_activation, cfg.backward_epilogue)
+        self.client = StageClient(
+            cfg.policy(), self.stats, max_tensor_bytes, cfg.max_activation, cfg.backward_epilogue, p2p=sdht.p2p
+        )
         self.peers_changed = asyncio.Event()
         self.steps = self.samples = self.lost = self.retries = 0
         self.losses: list[float] = []

@@ -42,7 +42,7 @@ class StagePeers:
         # UNREACHABLE_HOLD_S pass; `held` keeps the addresses the DHT lists for them meanwhile
         self._unreachable: dict[str, float] = {}
         self.held: dict[str, str] = {}
-        self._channels = Channels()
+        self._channels = Channels(sdht.p2p)
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
 

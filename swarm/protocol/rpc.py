@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -17,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarm.net import join_host_port
 from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
+from swarm.protocol.p2p import P2PStub
 from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
 logger = logging.getLogger(__name__)
@@ -72,13 +75,24 @@ def sync_channel(address: str) -> grpc.Channel:
 
 class Channels:
     """One channel per address, opened again when the address's pinned certificate changed (a restarted server with a
-    new self-signed certificate)."""
+    new self-signed certificate). An address "p2p:<libp2p id>" is a server reached over libp2p (swarm/protocol/p2p.py)
+    through `p2p()`, this process's handle on its DHT node's daemon (`SwarmDHT.p2p`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, p2p: Callable[[], Awaitable] | None = None) -> None:
         self._open: dict[str, tuple[str, grpc.aio.Channel, StageStub]] = {}
         self._closing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
+        self._p2p = p2p
+        self._p2p_stubs: dict[str, P2PStub] = {}
 
-    def stub(self, address: str) -> StageStub:
+    def stub(self, address: str) -> StageStub | P2PStub:
+        if address.startswith(P2P_ADDRESS):
+            if self._p2p is None:
+                raise ValueError(f"{address} is reached over libp2p, and this caller has no libp2p handle")
+            if address not in self._p2p_stubs:
+                if len(self._p2p_stubs) >= 4096:
+                    self._p2p_stubs.clear()
+                self._p2p_stubs[address] = P2PStub(self._p2p, address.removeprefix(P2P_ADDRESS))
+            return self._p2p_stubs[address]
         cert = PINS.get(address, "")
         held = self._open.get(address)
         if held is None or held[0] != cert:
@@ -91,9 +105,10 @@ class Channels:
         return held[2]
 
     def addresses(self) -> set[str]:
-        return set(self._open)
+        return set(self._open) | set(self._p2p_stubs)
 
     async def drop(self, address: str) -> None:
+        self._p2p_stubs.pop(address, None)
         held = self._open.pop(address, None)
         if held is not None:
             await held[1].close()

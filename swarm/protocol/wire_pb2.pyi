@@ -230,3 +230,19 @@ class ReachReply(_message.Message):
     dialled: str
     detail: str
     def __init__(self, reachable: _Optional[bool] = ..., dialled: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class P2PCall(_message.Message):
+    __slots__ = ("frame", "timeout", "auth", "status", "details", "end")
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    frame: bytes
+    timeout: float
+    auth: str
+    status: int
+    details: str
+    end: bool
+    def __init__(self, frame: _Optional[bytes] = ..., timeout: _Optional[float] = ..., auth: _Optional[str] = ..., status: _Optional[int] = ..., details: _Optional[str] = ..., end: _Optional[bool] = ...) -> None: ...

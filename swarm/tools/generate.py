@@ -274,7 +274,7 @@ async def generate_on_swarm(
     """`sample` with every forward pass through the swarm. The sampler runs on a worker thread and hands each forward
     pass to this event loop, so that the loop never blocks and the sampler stays the same pure function."""
     max_tensor_bytes = cfg.max_seq_len * max(cfg.d_model, cfg.vocab_size) * 4  # batch 1, fp32 at most
-    client = StageClient(CompressionPolicy.for_wire(codec), WireStats(), max_tensor_bytes)
+    client = StageClient(CompressionPolicy.for_wire(codec), WireStats(), max_tensor_bytes, p2p=sdht.p2p)
     pipeline = SwarmPipeline(sdht, cfg, client, timeout)
     loop = asyncio.get_running_loop()
 

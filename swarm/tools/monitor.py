@@ -255,7 +255,7 @@ class Monitor:
     def __init__(self, cfg: MonitorConfig, sdht: SwarmDHT):
         self.cfg, self.sdht = cfg, sdht
         self.view = SwarmView(cfg.history)
-        self._channels = Channels()
+        self._channels = Channels(sdht.p2p)
 
     async def poll_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

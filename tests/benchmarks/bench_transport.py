@@ -13,6 +13,9 @@ and out of frames into one buffer, in both directions, and checks that the tenso
 on one event loop, with the same channel and server options (swarm.protocol.rpc's aio_channel and aio_server), one
 call at a time, interleaved.
 
+"over libp2p" is the same stage RPC to the same service through the path a server the swarm cannot dial uses
+(swarm/protocol/p2p.py): the client's DHT node's p2pd, a libp2p connection on loopback, the server's DHT node's p2pd.
+
     python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
 """
 
@@ -24,9 +27,11 @@ import grpc
 import torch
 import uvloop
 
+from dht.node import start_dht
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import ModelConfig
+from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.rpc import CHUNK_BYTES, aio_channel, aio_server, bind
 from swarm.protocol.tensors import WireStats
 from tests.benchmarks import common
@@ -73,6 +78,17 @@ async def run(repeats: int) -> dict:
         for name in ("none", "blockwise8")
     }
     payload_bytes = {name: get_codec(name).encode(x)[1].__len__() for name in clients}
+    server_dht = start_dht()
+    client_dht = start_dht([str(m) for m in server_dht.get_visible_maddrs()], client_mode=True)
+    server_p2p, client_p2p = await server_dht.replicate_p2p(), await client_dht.replicate_p2p()
+
+    async def get_client_p2p():
+        return client_p2p
+
+    p2p_clients = {
+        name: StageClient(CompressionPolicy.for_wire(name), WireStats(), max_tensor_bytes=1 << 30, p2p=get_client_p2p)
+        for name in clients
+    }
     echo_server, echo_address = await start_echo_server()
     channel = aio_channel(echo_address)
     echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
@@ -80,11 +96,13 @@ async def run(repeats: int) -> dict:
         async with InProcessStages(
             cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1], worker_cls=IdentityWorker
         ) as stages:
-            address = stages.addresses[1]
+            address, service = stages.addresses[1], stages.services[1]
+            await serve_over_p2p(server_p2p, service.forward, service.backward, service.info, service.progress)
+            p2p_address = f"p2p:{server_dht.peer_id}"
 
-            def stage_call(client: StageClient):
+            def stage_call(client: StageClient, to: str = address):
                 async def call() -> None:
-                    reply = await client.call(address, "Forward", 1, "m", {"inputs": x}, SHAPE, 60)
+                    reply = await client.call(to, "Forward", 1, "m", {"inputs": x}, SHAPE, 60)
                     assert reply.tensor is not None
 
                 return call
@@ -105,14 +123,20 @@ async def run(repeats: int) -> dict:
                 "stage RPC, codec none": stage_call(clients["none"]),
                 "raw echo, 8-bit size": raw_call(payload_bytes["blockwise8"]),
                 "stage RPC, blockwise8": stage_call(clients["blockwise8"]),
+                "stage RPC over libp2p, codec none": stage_call(p2p_clients["none"], p2p_address),
+                "stage RPC over libp2p, blockwise8": stage_call(p2p_clients["blockwise8"], p2p_address),
             }
             common.log(f"transport: {len(fns)} variants x {repeats} interleaved rounds")
             times = await common.ainterleaved(fns, repeats, warmup=3)
     finally:
-        for client in clients.values():
+        for client in (*clients.values(), *p2p_clients.values()):
             await client.close()
         await channel.close()
         await echo_server.stop(grace=None)
+        for p2p in (client_p2p, server_p2p):
+            await p2p.shutdown()
+        client_dht.shutdown()
+        server_dht.shutdown()
 
     raw_fp32, raw_8bit = times["raw echo, fp32 size"], times["raw echo, 8-bit size"]
     variants = {}

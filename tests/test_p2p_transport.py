@@ -1,0 +1,170 @@
+"""The Stage service over libp2p (swarm/protocol/p2p.py): real DHT nodes' daemons, the same handlers as gRPC; errors,
+garbage and private swarms' proofs."""
+
+import asyncio
+import functools
+import re
+
+import grpc
+import pytest
+from hivemind.p2p import PeerID
+
+from dht.node import start_dht
+from dht.records import ServerRecord
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.access import SwarmKey
+from swarm.protocol.p2p import P2PStub, handler_name, serve
+from swarm.protocol.rpc import Channels
+from swarm.tools.local import LocalSwarm
+from tests.conftest import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def refuse(_request, context):
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused: " + "x" * 2000)
+
+
+async def refuse_stream(frames, context):
+    async for _ in frames:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused: " + "x" * 2000)
+        yield b""
+
+
+@pytest.fixture
+async def pair():
+    """(serving P2P, calling P2P, a factory of stubs to the server, frames the echo handler saw)."""
+    loop = asyncio.get_running_loop()
+    server_dht = await loop.run_in_executor(None, start_dht)
+    maddrs = [str(m) for m in server_dht.get_visible_maddrs()]
+    client_dht = await loop.run_in_executor(None, functools.partial(start_dht, maddrs, client_mode=True))
+    seen: list[bytes] = []
+
+    async def echo(frames, context):
+        async for frame in frames:
+            seen.append(frame)
+            yield frame[::-1]
+        yield context.peer().encode()
+
+    async def info(request, context):
+        return pb.InfoReply(stage=7, queue_length=int(context.time_remaining() or 0))
+
+    server_p2p, client_p2p = await server_dht.replicate_p2p(), await client_dht.replicate_p2p()
+
+    async def get_client_p2p():
+        return client_p2p
+
+    try:
+        yield server_p2p, get_client_p2p, str(server_dht.peer_id), echo, info, seen
+    finally:
+        for p2p in (client_p2p, server_p2p):
+            await p2p.shutdown()
+        client_dht.shutdown()
+        server_dht.shutdown()
+
+
+async def test_calls_over_libp2p_carry_frames_both_ways_and_fail_like_grpc(pair):
+    server_p2p, get_p2p, server_id, echo, info, seen = pair
+    await serve(server_p2p, echo, refuse_stream, info, refuse)
+    stub = Channels(get_p2p).stub(f"p2p:{server_id}")
+    assert isinstance(stub, P2PStub)
+    frames = [b"abc", b"\x00" * (3 << 20), b""]  # a frame bigger than gRPC's message cap goes through whole
+    replies = [f async for f in stub.forward(iter(frames), timeout=10)]
+    assert seen == frames and replies[:3] == [f[::-1] for f in frames]
+    assert replies[3].decode().startswith("p2p:12D3Koo")  # per-caller limits key on the libp2p id
+    assert (await stub.info(pb.InfoRequest(), timeout=30)).stage == 7
+    reply = await stub.info(pb.InfoRequest(), timeout=30)
+    assert 0 < reply.queue_length <= 30  # the handler saw the caller's deadline
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [f async for f in stub.backward(iter([b"x"]), timeout=10)]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(err.value.details()) <= 500
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a Progress that does not parse
+        await stub.progress(pb.StageProgress(), timeout=10)  # the refusing handler: INVALID_ARGUMENT too
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    nobody = P2PStub(get_p2p, str(PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await nobody.info(pb.InfoRequest(), timeout=5)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_garbage_over_libp2p_gets_a_status_not_a_crash(pair):
+    server_p2p, get_p2p, server_id, echo, info, _ = pair
+    await serve(server_p2p, echo, echo, info, refuse)
+    p2p, peer = await get_p2p(), PeerID.from_base58(server_id)
+
+    async def raw(name: str, *messages: pb.P2PCall) -> list[pb.P2PCall]:
+        async def requests():
+            for m in messages:
+                yield m
+
+        stream = await p2p.iterate_protobuf_handler(peer, handler_name(name), requests(), pb.P2PCall)
+        got = []
+        async for reply in stream:
+            got.append(reply)
+            if reply.end:
+                break
+        await stream.aclose()
+        assert got[-1] == pb.P2PCall(end=True)  # every reply ends so
+        return got[:-1]
+
+    (reply,) = await raw("Info", pb.P2PCall(timeout=5), pb.P2PCall(frame=b"\xff\xff\xff"))
+    assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "malformed InfoRequest" in reply.details
+    for timeout in (-1.0, 1e9, float("nan")):
+        (reply,) = await raw("Forward", pb.P2PCall(timeout=timeout))
+        assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0], timeout
+    (reply,) = await raw("Info", pb.P2PCall(timeout=5), pb.P2PCall(frame=b"\x00" * (1 << 20)), pb.P2PCall(frame=b"1"))
+    assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # a unary request over 1 MiB
+    assert await raw("Forward") == []  # a stream that ends before its first message
+    assert (await P2PStub(get_p2p, server_id).info(pb.InfoRequest(), timeout=10)).stage == 7  # still answering
+
+
+async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair):
+    server_p2p, get_p2p, server_id, echo, info, seen = pair
+    key = SwarmKey.new()
+    await serve(server_p2p, echo, echo, info, refuse, key)
+    assert (await P2PStub(get_p2p, server_id, key).info(pb.InfoRequest(), timeout=10)).stage == 7
+    for other in (None, SwarmKey.new()):  # None: this process's key, which is none
+        stub = P2PStub(get_p2p, server_id, other)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [f async for f in stub.forward(iter([b"frame"]), timeout=10)]
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and key.swarm_id in err.value.details()
+    assert seen == []
+
+
+@pytest.mark.timeout(300)
+def test_a_server_the_swarm_cannot_dial_serves_over_libp2p(tmp_path):
+    """A stage-1 server announcing an address nobody can dial (TEST-NET-1) finds out at start and serves over libp2p:
+    the trainer trains through it (it is stage 1's only server at first) with nothing lost, and a stage peer that
+    joins later downloads its state and averages with it (Progress over libp2p one way, gRPC the other)."""
+    model = ["--preset", "tiny_test", "--n-stages", "2"]
+    flags = ["--no-rebalance", "--samples-per-step", "16"]
+    with LocalSwarm(tmp_path, "natted", model) as swarm:
+        swarm.start_dht()
+        swarm.start_server("server-s0", 0, flags)
+        natted = swarm.start_server("server-s1-natted", 1, [*flags, "--announce-host", "192.0.2.1"])
+        wait_for(lambda: "serving over libp2p instead" in natted.log_path.read_text(), 90, "the NAT'd server to notice")
+        trainer = swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
+        wait_for(lambda: (swarm.trainer_stats() or [{"steps": 0}])[0]["steps"] >= 16, 120, "16 microbatches")
+        late = swarm.start_server("server-s1-direct", 1, flags)
+        wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, "the direct server's join")
+        for server in (natted, late):
+            wait_for(
+                lambda s=server: re.search(r"averaged \d+ samples with 2 peers", s.log_path.read_text()),
+                120,
+                f"a 2-peer round in {server.name}",
+            )
+        assert trainer.alive()
+        swarm.stop(["trainer-0"])
+        stats = swarm.trainer_stats()[0]
+        assert stats["steps"] >= 16 and stats["lost_microbatches"] == 0, stats
+
+
+def test_a_p2p_only_record_is_addressed_by_its_libp2p_id_and_needs_a_valid_one():
+    peer = "12D3KooWPCkmoAkpxgWfActTg2UnTzfa5ZgLa9qcmfGzxbg4Pw7C"
+    base = ServerRecord(host="192.0.2.1", port=7000, stage=1, p2p_id=peer).to_dict()
+    assert ServerRecord.from_dict(base).address == "192.0.2.1:7000"
+    assert ServerRecord.from_dict({**base, "p2p_only": True}).address == f"p2p:{peer}"
+    for bad in ("", "not base58 0OIl", "x" * 129, f"{peer}:7000", "127.0.0.1:1"):
+        assert ServerRecord.from_dict({**base, "p2p_only": True, "p2p_id": bad}) is None, bad
+    assert ServerRecord.from_dict({**base, "p2p_only": "yes"}) is None
