@@ -10,7 +10,7 @@ from swarm.protocol import wire_pb2 as pb
 
 
 def stage0_peer(me: str, *others: str, quota: int = 32, lookahead: int = 0) -> Admission:
-    peers = StagePeers(SimpleNamespace(peer_id=me), stage=0, peer_timeout=1.0)  # type: ignore[arg-type]
+    peers = StagePeers(SimpleNamespace(peer_id=me, p2p=None), stage=0, peer_timeout=1.0)  # type: ignore[arg-type]
     peers.peers = {p: f"127.0.0.1:{i + 1}" for i, p in enumerate(others)}
     return Admission(peers, quota=quota, lookahead=lookahead)
 

@@ -21,6 +21,8 @@ from tests.conftest import free_port
 class ListingDHT:
     """What StagePeers asks the DHT: who serves the stage. Lists `addresses` (peer id -> host:port) as ready."""
 
+    p2p = None  # no libp2p: every peer here is reached over gRPC
+
     def __init__(self, addresses: dict[str, str]):
         self.peer_id, self.addresses = "us", addresses
 

@@ -13,7 +13,7 @@ from dht.node import start_dht
 from dht.records import ServerRecord
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import SwarmKey
-from swarm.protocol.p2p import P2PStub, handler_name, serve
+from swarm.protocol.p2p import MESSAGE, P2PStub, handler_name, serve
 from swarm.protocol.rpc import Channels
 from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
@@ -168,3 +168,21 @@ def test_a_p2p_only_record_is_addressed_by_its_libp2p_id_and_needs_a_valid_one()
     for bad in ("", "not base58 0OIl", "x" * 129, f"{peer}:7000", "127.0.0.1:1"):
         assert ServerRecord.from_dict({**base, "p2p_only": True, "p2p_id": bad}) is None, bad
     assert ServerRecord.from_dict({**base, "p2p_only": "yes"}) is None
+
+
+async def test_a_message_declaring_a_gigabyte_is_refused_before_anything_is_read(pair):
+    """hivemind's own stream reader would allocate whatever a message declares; the server reads a message's length
+    first and closes a stream that declares more than a frame can hold."""
+    server_p2p, get_p2p, server_id, echo, info, seen = pair
+    await serve(server_p2p, echo, echo, info, refuse)
+    _, reader, writer = await (await get_p2p()).call_binary_stream_handler(
+        PeerID.from_base58(server_id), handler_name("Forward")
+    )
+    header = pb.P2PCall(timeout=10).SerializeToString()
+    writer.write(MESSAGE + len(header).to_bytes(8, "big") + header)
+    writer.write(MESSAGE + (1 << 30).to_bytes(8, "big") + b"\x00" * 65536)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing answered
+    writer.close()
+    assert seen == []
+    assert (await P2PStub(get_p2p, server_id).info(pb.InfoRequest(), timeout=10)).stage == 7

@@ -18,7 +18,7 @@ class Peers:
     """What Recovery reads of StagePeers: `frozen` reported more samples than us, then stopped answering."""
 
     def __init__(self, me: str, counts: dict[str, int], epoch: int):
-        self.sdht = SimpleNamespace(peer_id=me)
+        self.sdht = SimpleNamespace(peer_id=me, swarm_key=None)
         self.counts, self.epoch = counts, epoch
         self.peers = {p: f"127.0.0.1:{7000 + i}" for i, p in enumerate(counts)}
         self.p2p_ids = {p: "" for p in counts}

@@ -19,8 +19,10 @@ without its `end` is UNAVAILABLE, like a connection gRPC lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
@@ -35,6 +37,9 @@ ADDRESS_PREFIX = "p2p:"  # a record's address for a server reached over libp2p: 
 MAX_TIMEOUT_S = 600.0  # the longest deadline a caller may ask for
 FIRST_MESSAGE_S = 30.0  # a stream that sends nothing for this long is dropped
 MAX_DETAILS_CHARS = 500
+MESSAGE, END = b"\x00", b"\x01"  # hivemind's stream framing: a message, or an error (which ends a request stream)
+MAX_MESSAGE_BYTES = 5 << 20  # a frame (2 MiB of payload plus its header) or a unary request, with room
+PREFETCH = 4  # request messages read ahead of the handler
 LINGER_S = 10.0  # how long a server holds a stream whose reply it sent, for the caller to read it and close
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -78,21 +83,70 @@ async def serve(
     """Serve the Stage methods on `p2p` (a hivemind P2P handle) with the gRPC service's handlers. With a swarm `key`,
     only calls that prove it reach them."""
     for method, handler in (("Forward", forward), ("Backward", backward)):
-        await p2p.add_protobuf_handler(
-            handler_name(method),
-            _streaming(method, handler, key),
-            pb.P2PCall,
-            stream_input=True,
-            stream_output=True,
-        )
+        await p2p.add_binary_stream_handler(handler_name(method), _framed(_streaming(method, handler, key)))
     for method, handler, request_type in (("Info", info, pb.InfoRequest), ("Progress", progress, pb.StageProgress)):
-        await p2p.add_protobuf_handler(
-            handler_name(method),
-            _streaming(method, _unary(handler, request_type), key),
-            pb.P2PCall,
-            stream_input=True,
-            stream_output=True,
-        )
+        unary = _streaming(method, _unary(handler, request_type), key)
+        await p2p.add_binary_stream_handler(handler_name(method), _framed(unary))
+
+
+async def _receive(reader: asyncio.StreamReader) -> pb.P2PCall | None:
+    """One message of hivemind's stream framing (a marker byte, an 8-byte big-endian length, the bytes); None at the
+    end of the stream. hivemind's own reader allocates whatever length a message declares: this one refuses a
+    message over MAX_MESSAGE_BYTES before reading it (ValueError)."""
+    marker = await reader.readexactly(1)
+    length = int.from_bytes(await reader.readexactly(8), "big")
+    if marker not in (MESSAGE, END) or length > (MAX_MESSAGE_BYTES if marker == MESSAGE else 1024):
+        raise ValueError(f"a message of {length} bytes (marker {marker!r})")
+    data = await reader.readexactly(length)
+    if marker == END:  # hivemind ends a request stream with an (empty) error message
+        return None
+    try:
+        return pb.P2PCall.FromString(data)
+    except DecodeError:
+        raise ValueError("a message that is not a P2PCall") from None
+
+
+def _framed(handle: Callable) -> Callable:
+    """A libp2p binary stream handler around `handle` (requests in, replies out, as `_streaming` makes), speaking the
+    framing of hivemind's protobuf stream handlers: callers use `P2P.iterate_protobuf_handler`. A caller that sends
+    a malformed or oversized message, or closes the stream, ends the call."""
+
+    async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests: asyncio.Queue[pb.P2PCall | None] = asyncio.Queue(PREFETCH)
+
+        async def incoming() -> AsyncIterator[pb.P2PCall]:
+            while (message := await requests.get()) is not None:
+                yield message
+
+        async def process() -> None:
+            async for reply in handle(incoming(), types.SimpleNamespace(remote_id=stream_info.peer_id)):
+                data = reply.SerializeToString()
+                writer.write(MESSAGE + len(data).to_bytes(8, "big"))
+                writer.write(data)
+                await writer.drain()
+
+        processing = asyncio.create_task(process())
+        try:
+            while not processing.done():
+                receiving = asyncio.ensure_future(_receive(reader))
+                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    receiving.cancel()
+                    break
+                putting = asyncio.ensure_future(requests.put(receiving.result()))
+                await asyncio.wait({processing, putting}, return_when=asyncio.FIRST_COMPLETED)
+                putting.cancel()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the caller closed the stream: it has its reply, or gave up
+        except ValueError as e:
+            logger.debug("a libp2p call from %s sent %s: closed", stream_info.peer_id, e)
+        finally:
+            processing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await processing  # its error, if any, was answered as a status, or the caller is gone
+            writer.close()
+
+    return on_stream
 
 
 def _unary(handler: Callable, request_type: type[Message]) -> Callable:
