@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.new_swarm_key:
             access.SwarmKey.new().write(args.new_swarm_key)
         swarm_key = access.load(args.new_swarm_key or args.swarm_key)
+    except FileExistsError:
+        parser.error(f"{args.new_swarm_key} exists: start with --swarm-key {args.new_swarm_key} to use that key")
     except (OSError, ValueError) as e:
         parser.error(str(e))
 

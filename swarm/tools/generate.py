@@ -285,6 +285,7 @@ async def generate_on_swarm(
         return await asyncio.to_thread(sample, next_logits, prompt_ids, n, temperature, top_k, generator)
     finally:
         await client.close()
+        await sdht.close_p2p()  # opened if a server was reached over libp2p
 
 
 async def _on_swarm(

@@ -357,7 +357,10 @@ async def _main(cfg: MonitorConfig, sdht: SwarmDHT) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(cfg, sdht, stop)
+    try:
+        await serve(cfg, sdht, stop)
+    finally:
+        await sdht.close_p2p()  # opened if a server was reached over libp2p: its unix socket goes with it
 
 
 def build_parser() -> argparse.ArgumentParser:
