@@ -186,3 +186,24 @@ async def test_a_message_declaring_a_gigabyte_is_refused_before_anything_is_read
     writer.close()
     assert seen == []
     assert (await P2PStub(get_p2p, server_id).info(pb.InfoRequest(), timeout=10)).stage == 7
+
+
+async def test_a_reply_declaring_a_gigabyte_is_refused_before_anything_is_read(pair):
+    """The same cap on the caller's side: a server that declares a 1 GiB reply message gets UNAVAILABLE (the trainer
+    bans it and retries elsewhere), not a 1 GiB buffer."""
+    server_p2p, get_p2p, server_id, *_ = pair
+
+    async def hostile(_stream_info, _reader, writer):
+        writer.write(MESSAGE + (1 << 30).to_bytes(8, "big") + b"\x00" * 65536)
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    await server_p2p.add_binary_stream_handler(handler_name("Forward"), hostile)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(_drain_call(P2PStub(get_p2p, server_id).forward(iter([b"x"]), timeout=10)), 10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "1073741824 bytes" in err.value.details()
+
+
+async def _drain_call(call) -> None:
+    async for _ in call:
+        pass

@@ -92,7 +92,8 @@ async def serve(
 async def _receive(reader: asyncio.StreamReader) -> pb.P2PCall | None:
     """One message of hivemind's stream framing (a marker byte, an 8-byte big-endian length, the bytes); None at the
     end of the stream. hivemind's own reader allocates whatever length a message declares: this one refuses a
-    message over MAX_MESSAGE_BYTES before reading it (ValueError)."""
+    message over MAX_MESSAGE_BYTES before reading it (ValueError). Servers read requests and callers replies with
+    it."""
     marker = await reader.readexactly(1)
     length = int.from_bytes(await reader.readexactly(8), "big")
     if marker not in (MESSAGE, END) or length > (MAX_MESSAGE_BYTES if marker == MESSAGE else 1024):
@@ -120,10 +121,7 @@ def _framed(handle: Callable) -> Callable:
 
         async def process() -> None:
             async for reply in handle(incoming(), types.SimpleNamespace(remote_id=stream_info.peer_id)):
-                data = reply.SerializeToString()
-                writer.write(MESSAGE + len(data).to_bytes(8, "big"))
-                writer.write(data)
-                await writer.drain()
+                await _send(writer, reply)
 
         processing = asyncio.create_task(process())
         try:
@@ -255,25 +253,51 @@ class P2PStub:
                 for frame in frames:
                     yield pb.P2PCall(frame=frame)
 
+        async def send(writer: asyncio.StreamWriter) -> None:
+            async for message in requests():
+                await _send(writer, message)
+            writer.write(END + (0).to_bytes(8, "big"))  # hivemind's end of a request stream: an empty error
+            await writer.drain()
+
         try:
             p2p = await self.get_p2p()
-            peer = PeerID.from_base58(self.peer_id)
-            replies = await p2p.iterate_protobuf_handler(peer, handler_name(method), requests(), pb.P2PCall)
-            try:
-                async for reply in replies:
-                    if reply.status:
-                        raise _error(_CODES.get(reply.status, grpc.StatusCode.UNKNOWN), reply.details)
-                    if reply.end:
-                        break
-                    yield reply.frame
-                else:  # the stream closed before the reply's end: as a connection gRPC lost
-                    raise _error(grpc.StatusCode.UNAVAILABLE, "libp2p: the stream closed before the reply ended")
-            finally:
-                await replies.aclose()  # closes the stream: the server stops holding it
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            raise
-        except Exception as e:  # libp2p's: the daemon could not reach the peer, the stream broke, a bad peer id
+            _, reader, writer = await p2p.call_binary_stream_handler(
+                PeerID.from_base58(self.peer_id), handler_name(method)
+            )
+        except Exception as e:  # libp2p's: the daemon could not reach the peer; a malformed peer id
             raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
+        sending = asyncio.ensure_future(send(writer))
+        sending.add_done_callback(_retrieved)  # a send that failed shows as a reply that never ends
+        try:
+            while True:
+                try:  # replies are read with the same cap as requests: a server cannot make us reserve more
+                    reply = await _receive(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    reply = None
+                except ValueError as e:
+                    raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: the server sent {e}") from None
+                if reply is None:  # the stream closed before the reply's end: as a connection gRPC lost
+                    raise _error(grpc.StatusCode.UNAVAILABLE, "libp2p: the stream closed before the reply ended")
+                if reply.status:
+                    raise _error(_CODES.get(reply.status, grpc.StatusCode.UNKNOWN), reply.details)
+                if reply.end:
+                    return
+                yield reply.frame
+        finally:
+            sending.cancel()
+            writer.close()  # the server stops holding the stream
+
+
+async def _send(writer: asyncio.StreamWriter, message: pb.P2PCall) -> None:
+    data = message.SerializeToString()
+    writer.write(MESSAGE + len(data).to_bytes(8, "big"))
+    writer.write(data)
+    await writer.drain()
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class _StreamMethod:
