@@ -24,9 +24,9 @@ from hivemind.utils import get_dht_time
 
 from dht.authorizer import SwarmKeyAuthorizer
 from dht.forking import forking
-from dht.identity import Identity, fingerprint, owner_of
+from dht.identity import Identity, fingerprint
 from dht.reaper import ensure_reaper
-from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, stage_key
+from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, signed_records, stage_key
 from swarm.net import DHT_WAIT_TIMEOUT_S, listen_multiaddrs
 from swarm.protocol.access import SwarmKey
 from swarm.protocol.tls import pin
@@ -177,20 +177,17 @@ class SwarmDHT:
         if found is None or not isinstance(found.value, dict):
             return None
         now, entries = get_dht_time(), []
-        for subkey, item in found.value.items():
-            owner = owner_of(subkey)
-            if owner is None:  # not under an owner's key: anyone could have written it
-                logger.debug("skipping an unsigned record under stage %d", stage)
-                continue
-            record = ServerRecord.from_dict(getattr(item, "value", None))
-            if record is None or record.stage != stage:
-                logger.debug("skipping malformed record of %s under stage %d", fingerprint(owner), stage)
+        for owner, record, expiration in signed_records(found.value):
+            if record.stage != stage:
+                logger.debug(
+                    "skipping a record of %s for stage %d under stage %d", fingerprint(owner), record.stage, stage
+                )
                 continue
             if differ := differences(self.config, record.config):
                 self._report(fingerprint(owner), stage, "; ".join(differ))
                 continue
-            if record.online and item.expiration_time > now and (record.ready or include_pending):
-                entries.append(PeerEntry(fingerprint(owner), record, item.expiration_time, owner))
+            if record.online and expiration > now and (record.ready or include_pending):
+                entries.append(PeerEntry(fingerprint(owner), record, expiration, owner))
                 pin(record.address, record.tls_cert)  # our channels to it trust what its signed record says
         return entries
 

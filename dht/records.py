@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from dht.identity import owner_of
@@ -21,7 +22,25 @@ MAX_STAGES = 256  # stage keys the validator knows (keys reach validators hashed
 MAX_RECORD_BYTES = 4096
 
 
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")  # a base58 libp2p id: the address of a p2p_only record
+def signed_records(value: Any) -> Iterator[tuple[bytes, ServerRecord, float]]:
+    """The well-formed records in a stage key's DHT value, each with the public key that signed it (its owner subkey)
+    and its expiration; unsigned and malformed ones (anyone could have written them) are left out."""
+    if not isinstance(value, dict):
+        return
+    for subkey, item in value.items():
+        owner, record = owner_of(subkey), ServerRecord.from_dict(getattr(item, "value", None))
+        if owner is not None and record is not None:
+            yield owner, record, item.expiration_time
+
+
+def parse_p2p_id(text: object) -> PeerID | None:
+    """A libp2p peer id from its base58 text, or None if `text` is not one (records say whatever their owner wrote)."""
+    if not isinstance(text, str) or not 0 < len(text) <= 128:
+        return None
+    try:
+        return PeerID.from_base58(text)
+    except Exception:  # whatever base58 or multihash raise on garbage
+        return None
 
 
 def stage_key(swarm_name: str, stage: int) -> str:
@@ -83,7 +102,7 @@ class ServerRecord:
             isinstance(rec.ready, bool),
             isinstance(rec.online, bool),
             isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
-            isinstance(rec.p2p_only, bool) and (not rec.p2p_only or _PEER_ID.fullmatch(rec.p2p_id) is not None),
+            isinstance(rec.p2p_only, bool) and (not rec.p2p_only or parse_p2p_id(rec.p2p_id) is not None),
             isinstance(rec.tls_cert, str) and (rec.tls_cert == "" or valid_cert(rec.tls_cert)),
             _plain_settings(rec.config),
         )

@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from dht.node import SwarmDHT
+from dht.records import parse_p2p_id
 from swarm.net import is_unspecified
 from swarm.protocol.reach import Reachability, check_reachability
 
@@ -53,12 +54,7 @@ def helper_ids(initial_peers: Sequence[str], servers: Sequence[str], me: str, k:
         except Exception:  # a multiaddr without /p2p/, or malformed: the DHT already said so at start
             continue
     ids -= {me, ""}
-    valid = {}
-    for p in ids:  # a record's p2p_id is whatever its owner wrote
-        try:
-            valid[p] = PeerID.from_base58(p)
-        except ValueError:
-            logger.debug("skipping a malformed libp2p id %r", p[:64])
+    valid = {p: peer for p in ids if (peer := parse_p2p_id(p)) is not None}  # records say what their owner wrote
     return [valid[p] for p in random.sample(sorted(valid), min(k, len(valid)))]
 
 

@@ -32,6 +32,7 @@ from swarm.compression.policy import role_of
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, read_call
+from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
 from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_checked, encode_tensor
 
@@ -205,7 +206,7 @@ class StageService:
             and 0 <= msg.admitted < 2**40
             and 0 <= msg.admitted_next < 2**40
             and len(msg.address) <= 300
-            and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith("p2p:"))
+            and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))
             and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
             and len(msg.signature) <= 2048
         )

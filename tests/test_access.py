@@ -20,7 +20,7 @@ from dht.node import SwarmDHT, start_dht
 from dht.records import stage_key
 from server.collab.hivemind_compat import StrictAverager, start_in_background
 from swarm.cli import to_argv
-from swarm.protocol import access
+from swarm.protocol import access, reach
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import CALL_WINDOW_S, METADATA_KEY, SwarmKey
 from swarm.protocol.rpc import SERVICE, StageStub, aio_channel, stage_handler, start_stage_server
@@ -236,3 +236,44 @@ def test_a_private_swarm_trains_its_members_and_refuses_the_uninvited(tmp_path):
     secret = (tmp_path / "logs" / "swarm.key").read_text().strip()
     logs = list((tmp_path / "logs").glob("*.log"))
     assert logs and not [p.name for p in logs if secret in p.read_text(errors="replace")]
+
+
+async def test_a_private_nodes_reach_checks_answer_only_proofs_bound_to_the_asker(monkeypatch):
+    """A reachability request in a private swarm carries a MAC of the asker's libp2p id: missing, made with another
+    key, or made for another peer id (a proof copied off the wire), it is refused without a dial."""
+    monkeypatch.setattr(reach, "MIN_INTERVAL_S", 0.0)
+    key = SwarmKey.new()
+    loop = asyncio.get_running_loop()
+    helper = await loop.run_in_executor(None, start_dht)
+    asker = await loop.run_in_executor(
+        None, functools.partial(start_dht, [str(m) for m in helper.get_visible_maddrs()])
+    )
+    dialled: list[str] = []
+
+    async def dial(host: str, port: int, expected: str, cert: str) -> tuple[bool, str]:
+        dialled.append(expected)
+        return True, ""
+
+    helper_p2p, asker_p2p = await helper.replicate_p2p(), await asker.replicate_p2p()
+    try:
+        await reach.ReachResponder(helper_p2p, key, dial).start()
+        mine = asker_p2p.peer_id.to_bytes()
+        proofs = {
+            "none": b"",
+            "another key": SwarmKey.new().peer_proof(reach.PROOF_PURPOSE, mine),
+            "another peer": key.peer_proof(reach.PROOF_PURPOSE, helper_p2p.peer_id.to_bytes()),
+            "garbage": b"\xff" * 5000,
+        }
+        for what, proof in proofs.items():
+            request = pb.ReachRequest(host="127.0.0.1", port=7000, proof=proof)
+            reply = await asker_p2p.call_protobuf_handler(helper_p2p.peer_id, reach.HANDLER, request, pb.ReachReply)
+            assert not reply.reachable and "private" in reply.detail, what
+        assert dialled == []
+        monkeypatch.setattr(access, "KEY", key)  # the asker's own key: check_reachability proves it
+        result = await reach.check_reachability(asker_p2p, [helper_p2p.peer_id], "127.0.0.1", 7000)
+        assert result.ok and dialled == [str(asker.peer_id)]
+    finally:
+        for p2p in (asker_p2p, helper_p2p):
+            await p2p.shutdown()
+        asker.shutdown()
+        helper.shutdown()

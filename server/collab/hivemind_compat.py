@@ -42,8 +42,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
 
 from dht.forking import forking
-from dht.identity import owner_of
-from dht.records import ServerRecord
+from dht.records import parse_p2p_id, signed_records
 
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
@@ -68,14 +67,6 @@ def start_in_background(averager: DecentralizedAverager) -> None:
             averager.run_in_background(await_ready=False)
     finally:
         signal.signal(signal.SIGINT, handler)
-
-
-def _is_peer_id(text: str) -> bool:
-    try:
-        PeerID.from_base58(text)
-    except Exception:  # whatever base58 or multihash raise on garbage
-        return False
-    return True
 
 
 async def _known(peer_id: str, _dht, node) -> bool:
@@ -174,7 +165,7 @@ class StrictAverager(DecentralizedAverager):
         it). None: at the scheduled time. `members`: the libp2p ids of the peers a group may hold besides us (those
         the stage's signed records list); malformed ones are left out; None: anyone. Travels down the pipe `step`
         uses, so it reaches the process first."""
-        valid = None if members is None else sorted(m for m in members if _is_peer_id(m))
+        valid = None if members is None else sorted(m for m in members if parse_p2p_id(m) is not None)
         self._outer_pipe.send(("_expect_group", [size, valid], {}))
 
     async def _expect_group(self, size: int | None, members: list[str] | None) -> None:
@@ -207,13 +198,8 @@ class StrictAverager(DecentralizedAverager):
         except Exception as e:  # the DHT's errors: a download refused now is asked again later
             logger.debug("reading the stage's records failed: %r", e)
             return False
-        if found is None or not isinstance(found.value, dict):
-            return False
-        for subkey, item in found.value.items():
-            record = ServerRecord.from_dict(getattr(item, "value", None))
-            if owner_of(subkey) is not None and record is not None and record.p2p_id == peer_id.to_base58():
-                return True
-        return False
+        named = peer_id.to_base58()
+        return found is not None and any(record.p2p_id == named for _, record, _ in signed_records(found.value))
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext

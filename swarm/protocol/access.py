@@ -160,20 +160,15 @@ def load(path: str | None) -> SwarmKey | None:
     return key
 
 
-def with_proof(metadata: Sequence[tuple[str, str]] | None, method: str, key: SwarmKey | None) -> tuple | None:
-    if key is None:
-        return None if metadata is None else tuple(metadata)
-    return (*(metadata or ()), (METADATA_KEY, key.call_token(method)))
-
-
 class ProvingCall:
-    """A multi-callable whose calls carry a proof of `key` (if any) in their metadata."""
+    """A multi-callable whose calls carry a proof of `key` in their metadata."""
 
-    def __init__(self, call, method: str, key: SwarmKey | None):
+    def __init__(self, call, method: str, key: SwarmKey):
         self._call, self._method, self._key = call, method, key
 
-    def __call__(self, *args, metadata: Sequence[tuple[str, str]] | None = None, **kwargs):
-        return self._call(*args, metadata=with_proof(metadata, self._method, self._key), **kwargs)
+    def __call__(self, *args, metadata: Sequence[tuple[str, str]] = (), **kwargs):
+        proof = (METADATA_KEY, self._key.call_token(self._method))
+        return self._call(*args, metadata=(*metadata, proof), **kwargs)
 
 
 class RequireSwarmKey(grpc.aio.ServerInterceptor):

@@ -11,9 +11,10 @@ One libp2p stream per call: the caller sends a first `P2PCall` with its deadline
 frame; the server answers one per reply frame, and a failed call ends with one carrying a gRPC status code and its
 details, which the caller raises as `grpc.aio.AioRpcError`: routing, bans and retries treat both transports alike.
 Every reply ends with an `end` message, and the server keeps the stream open until the caller, having read it,
-closes it: hivemind's handler closes the stream when the handler returns, and under uvloop what was still in the
-socket's buffer then was lost (measured: 1 in 4 benchmark runs got a reply without its last frame, or none). A reply
-without its `end` is UNAVAILABLE, like a connection gRPC lost.
+closes it: a handler that closed the stream as soon as it had written its reply lost, under uvloop, what was still in
+the socket's buffer (measured with hivemind's handlers: 1 in 4 benchmark runs got a reply without its last frame, or
+none). A reply without its `end` is UNAVAILABLE, like a connection gRPC lost. Both ends speak hivemind's stream
+framing (`P2P.iterate_protobuf_handler` can call these handlers) but read it with a cap on each message's size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
@@ -32,7 +32,7 @@ from swarm.protocol import access
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
-SERVICE = "swarm.v1.Stage"
+SERVICE = pb.DESCRIPTOR.services_by_name["Stage"].full_name  # "swarm.v1.Stage", as over gRPC
 ADDRESS_PREFIX = "p2p:"  # a record's address for a server reached over libp2p: "p2p:<libp2p peer id>"
 MAX_TIMEOUT_S = 600.0  # the longest deadline a caller may ask for
 FIRST_MESSAGE_S = 30.0  # a stream that sends nothing for this long is dropped
@@ -83,10 +83,9 @@ async def serve(
     """Serve the Stage methods on `p2p` (a hivemind P2P handle) with the gRPC service's handlers. With a swarm `key`,
     only calls that prove it reach them."""
     for method, handler in (("Forward", forward), ("Backward", backward)):
-        await p2p.add_binary_stream_handler(handler_name(method), _framed(_streaming(method, handler, key)))
+        await p2p.add_binary_stream_handler(handler_name(method), _framed(method, handler, key))
     for method, handler, request_type in (("Info", info, pb.InfoRequest), ("Progress", progress, pb.StageProgress)):
-        unary = _streaming(method, _unary(handler, request_type), key)
-        await p2p.add_binary_stream_handler(handler_name(method), _framed(unary))
+        await p2p.add_binary_stream_handler(handler_name(method), _framed(method, _unary(handler, request_type), key))
 
 
 async def _receive(reader: asyncio.StreamReader) -> pb.P2PCall | None:
@@ -107,10 +106,10 @@ async def _receive(reader: asyncio.StreamReader) -> pb.P2PCall | None:
         raise ValueError("a message that is not a P2PCall") from None
 
 
-def _framed(handle: Callable) -> Callable:
-    """A libp2p binary stream handler around `handle` (requests in, replies out, as `_streaming` makes), speaking the
-    framing of hivemind's protobuf stream handlers: callers use `P2P.iterate_protobuf_handler`. A caller that sends
-    a malformed or oversized message, or closes the stream, ends the call."""
+def _framed(method: str, handler: Callable, key: access.SwarmKey | None) -> Callable:
+    """A libp2p binary stream handler serving `handler` (frames in, frames out, as the gRPC service's). A caller that
+    sends a malformed or oversized message, or closes the stream, ends the call."""
+    handle = _streaming(method, handler, key)
 
     async def on_stream(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         requests: asyncio.Queue[pb.P2PCall | None] = asyncio.Queue(PREFETCH)
@@ -120,7 +119,7 @@ def _framed(handle: Callable) -> Callable:
                 yield message
 
         async def process() -> None:
-            async for reply in handle(incoming(), types.SimpleNamespace(remote_id=stream_info.peer_id)):
+            async for reply in handle(incoming(), stream_info.peer_id):
                 await _send(writer, reply)
 
         processing = asyncio.create_task(process())
@@ -174,13 +173,13 @@ async def _at_most(frames: AsyncIterator[bytes], limit: int) -> AsyncIterator[by
 def _streaming(method: str, handler: Callable, key: access.SwarmKey | None) -> Callable:
     path = f"/{SERVICE}/{method}"
 
-    async def handle(requests: AsyncIterator[pb.P2PCall], p2p_context) -> AsyncIterator[pb.P2PCall]:
-        async for message in reply(requests, p2p_context):
+    async def handle(requests: AsyncIterator[pb.P2PCall], remote_id: object) -> AsyncIterator[pb.P2PCall]:
+        async for message in reply(requests, remote_id):
             yield message
         yield pb.P2PCall(end=True)
         await asyncio.sleep(LINGER_S)  # cancelled as soon as the caller closes the stream
 
-    async def reply(requests: AsyncIterator[pb.P2PCall], p2p_context) -> AsyncIterator[pb.P2PCall]:
+    async def reply(requests: AsyncIterator[pb.P2PCall], remote_id: object) -> AsyncIterator[pb.P2PCall]:
         try:
             first = await asyncio.wait_for(anext(requests), FIRST_MESSAGE_S)
         except (StopAsyncIteration, TimeoutError):
@@ -191,7 +190,7 @@ def _streaming(method: str, handler: Callable, key: access.SwarmKey | None) -> C
         if not 0 <= first.timeout <= MAX_TIMEOUT_S:
             yield _status(grpc.StatusCode.INVALID_ARGUMENT, f"timeout {first.timeout} outside [0, {MAX_TIMEOUT_S}]")
             return
-        context = StreamContext(p2p_context.remote_id, first.timeout)
+        context = StreamContext(remote_id, first.timeout)
 
         async def frames() -> AsyncIterator[bytes]:
             if first.frame:
@@ -226,6 +225,7 @@ class P2PStub:
 
     def __init__(self, get_p2p: Callable[[], Awaitable], peer_id: str, key: access.SwarmKey | None = None):
         self.get_p2p, self.peer_id, self.key = get_p2p, peer_id, access.KEY if key is None else key
+        self._peer: object = None  # the parsed peer id, once a call needed it
         self.forward = _StreamMethod(self, "Forward")
         self.backward = _StreamMethod(self, "Backward")
         self.info = _UnaryMethod(self, "Info", pb.InfoReply)
@@ -238,8 +238,6 @@ class P2PStub:
         self, method: str, frames: Iterable[bytes] | AsyncIterator[bytes], timeout: float | None
     ) -> AsyncIterator[bytes]:
         """The reply frames of one call."""
-        from hivemind.p2p import PeerID  # here: hivemind is imported only by processes that call over libp2p
-
         header = pb.P2PCall(timeout=min(timeout or 0.0, MAX_TIMEOUT_S))
         if self.key is not None:
             header.auth = self.key.call_token(f"/{SERVICE}/{method}")
@@ -260,10 +258,12 @@ class P2PStub:
             await writer.drain()
 
         try:
+            if self._peer is None:
+                from hivemind.p2p import PeerID  # here: only processes that call over libp2p import hivemind for it
+
+                self._peer = PeerID.from_base58(self.peer_id)
             p2p = await self.get_p2p()
-            _, reader, writer = await p2p.call_binary_stream_handler(
-                PeerID.from_base58(self.peer_id), handler_name(method)
-            )
+            _, reader, writer = await p2p.call_binary_stream_handler(self._peer, handler_name(method))
         except Exception as e:  # libp2p's: the daemon could not reach the peer; a malformed peer id
             raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
         sending = asyncio.ensure_future(send(writer))

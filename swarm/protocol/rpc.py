@@ -52,7 +52,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-SERVICE = "swarm.v1.Stage"
+SERVICE = pb.DESCRIPTOR.services_by_name["Stage"].full_name  # "swarm.v1.Stage"
 
 
 def aio_channel(address: str, cert_pem: str | None = None) -> grpc.aio.Channel:
