@@ -106,3 +106,48 @@ def test_a_peer_that_joins_after_another_admitted_alone_takes_only_what_is_left(
     late = stage0_peer("p1", "p0", quota=16)
     report(late, "p0", 0, admitted=12)  # the first had admitted three microbatches alone
     assert admit_all(late, 0, 4) == [0, Decision.WAIT]
+
+
+def claim_message(peer: str, epoch: int) -> pb.StageProgress:
+    return pb.StageProgress(peer_id=peer, epoch=epoch, claims=True)
+
+
+def test_a_peer_idle_for_epochs_claims_its_share_before_it_admits_so_the_batch_never_overfills():
+    """A peer of stage 0 that trainers had not sent Forwards to for two epochs (it joined late, or was banned) holds
+    no share in the others' eyes: they admit the whole batch. Were it to admit its share the moment a trainer finds
+    it, the batch would overfill by that share (CI saw 24 samples in a global batch of 16). It claims first: the
+    others count its share from then on, and their answers say what they had admitted by then."""
+    busy, idle = stage0_peer("a", "b", quota=16), stage0_peer("b", "a", quota=16)
+    report(busy, "b", epoch=0, admitted=0)
+    assert busy.peers.admitting(3) == [], '"b" holds no share: "a" may admit all 16'
+    for _ in range(2):  # "a" admitted 8 so far
+        assert busy.place(3, 4) == 3
+        busy.record(3, 4, 3)
+    assert idle.peers.must_claim(3), "no peer has answered a claim of ours yet"
+
+    busy.peers.record(claim_message("b", 3))  # what `claim` sends; "a" answers with its counts (8, 0)
+    report(idle, "a", epoch=3, admitted=busy.counts(3)[0])
+    assert admit_all(busy, 3, 4) == [Decision.REFUSE], "its share is 8 again, and it holds 8"
+    assert admit_all(idle, 3, 4) == [3, 3, Decision.WAIT]
+    assert busy.admitted[3] + idle.admitted[3] == 16
+    assert busy.peers.admitting(4) == ["b"] and busy.peers.admitting(5) == [], "a claim covers its epoch and the next"
+
+
+async def test_a_claim_leaves_out_peers_that_refuse_it_or_answer_garbage(monkeypatch):
+    """A peer that does not count our share may admit the whole batch, so it must not count in ours either; and one
+    hostile peer refusing every claim must not stop the others from admitting."""
+    admission = stage0_peer("me", "good", "garbage", "refusing", quota=16)
+    answers = {"good": pb.ProgressAck(epoch=3, admitted=8, admitted_next=4), "garbage": pb.ProgressAck(admitted=-5)}
+
+    async def broadcast(*args, **kwargs):
+        assert kwargs["claims"]
+        return answers  # "refusing" answered PERMISSION_DENIED: broadcast leaves it out
+
+    monkeypatch.setattr(admission.peers, "broadcast", broadcast)
+    assert admission.peers.must_claim(3)
+    assert await admission.peers.claim(3, 0, (0, 0))
+    assert list(admission.peers.peers) == ["good"] and set(admission.peers.held) == {"garbage", "refusing"}
+    assert admission.peers.admitted_by("good", 3) == 8 and admission.peers.admitted_by("good", 4) == 4
+    assert admission.peers.admitted_by("garbage", 3) == 0
+    assert not admission.peers.must_claim(4), "a claim answered at epoch 3 covers epoch 4"
+    assert admission.peers.must_claim(5)

@@ -9,7 +9,10 @@ and holds further Forwards until the epoch has stepped. Its peers split that quo
   share, or at what it admitted if that is more or if no further microbatch fits in its share;
 - the last microbatch may overfill the batch by less than its own size: the batch must reach the quota to end.
 Peers that trainers stopped sending Forwards to, and peers that said they no longer admit (leaving the stage), hold
-no share. When our share is full but the batch, as far as we know, is not, the Forward belongs on another peer:
+no share. So before a peer admits towards an epoch, every other peer must have answered its claim (a Progress message
+with `claims`) of that epoch or the one before: the claim makes the receiver count the claimant's share of both, and
+the answer says what the receiver had admitted until then (StagePeers.claim). A peer idle for two epochs that admitted
+its share unannounced overfilled the batch by that share, since the others had split it without it. When our share is full but the batch, as far as we know, is not, the Forward belongs on another peer:
 `place` says so and the trainer retries there at once.
 
 Event loop only: it reads the peers' counts that StagePeers keeps and keeps our own.

@@ -110,6 +110,7 @@ class StageCollaboration:
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
+        self._claiming: tuple[int, asyncio.Future] | None = None  # stage 0: our claim of an epoch's share, in flight
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
@@ -253,7 +254,10 @@ class StageCollaboration:
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         self._admission.set()
-        return pb.ProgressAck(epoch=self.epoch)
+        if not msg.claims:
+            return pb.ProgressAck(epoch=self.epoch)
+        admitted, admitted_next = self.admission.counts(int(msg.epoch))  # from here on we count the claimant's share
+        return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)
@@ -285,6 +289,12 @@ class StageCollaboration:
             if self.phase is Phase.RECOVERING or (self.peers.furthest() or epoch) >= epoch + 2:
                 self._kick.set()
                 raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
+            if self.peers.must_claim(epoch):
+                if not await self._claim(epoch):
+                    raise AdmissionRefused(
+                        "admission: a peer of stage 0 does not count this one among the admitting peers yet"
+                    )
+                continue  # the epoch may have moved on meanwhile
             placed = self.admission.place(epoch, n)
             if placed is Decision.REFUSE:
                 raise AdmissionRefused(
@@ -304,9 +314,38 @@ class StageCollaboration:
                 pass
         assert isinstance(placed, int)
         self.admission.record(placed, n, epoch)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "admitted %s (%d samples) into batch %d at epoch %d: ours %d, theirs %s, admitting %s",
+                microbatch_id,
+                n,
+                placed,
+                epoch,
+                self.admission.admitted.get(placed, 0),
+                {p[-6:]: self.peers.admitted_by(p, placed) for p in self.peers.peers},
+                [p[-6:] for p in self.peers.admitting(placed)],
+            )
         if self.peers.peers:  # the other peers of stage 0 count our admissions
             self._spawn(self._broadcast(end_epoch=False))
         return Ticket(placed, epoch, *self.tickets.sign(microbatch_id, n, placed, epoch))
+
+    async def _claim(self, epoch: int) -> bool:
+        """Stage 0, before admitting towards `epoch`: make sure every peer counts us among the admitting peers of it,
+        and learn what each had admitted when it began to (StagePeers.claim). A peer that saw no admission of ours
+        lately counts no share for us and may admit the whole batch: without the claim, a peer that joined late or
+        that trainers had not found yet overfilled the batch by its own share (24 samples in a global batch of 16).
+        Concurrent admissions share one claim."""
+        if self._claiming is None or self._claiming[0] != epoch or self._claiming[1].done():
+            samples = self.worker.samples_accumulated if self.epoch == epoch else 0
+            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch))
+            self._claiming = epoch, asyncio.ensure_future(claim)
+        try:
+            return await asyncio.shield(self._claiming[1])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug("stage 0: claiming a share of global batch %d failed: %r", epoch, e)
+            return False
 
     async def _read_peers_before_first_admission(self) -> None:
         """Before our first admission, learn what the other peers of stage 0 admitted: a peer that started alone, or
@@ -446,6 +485,11 @@ class StageCollaboration:
         logger.debug("ending epoch %d", epoch)
         self.phase = Phase.ENDING
         self.peers.forget_before(epoch)
+        if self.peers.group_size(epoch) <= 1:
+            # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
+            # stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30 steps). A peer with
+            # samples has a DHT record (trainers found it there): read the DHT once more before stepping alone
+            await self._lookup()
         n_peers = self.peers.group_size(epoch)
         try:
             if not self.cfg.delay_optimizer_step:

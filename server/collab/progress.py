@@ -36,6 +36,8 @@ class StagePeers:
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
         self._not_admitting: set[str] = set()  # stage 0 peers that said they admit no more Forwards
+        self._claims: dict[str, int] = {}  # stage 0: peer id -> the latest epoch it claimed a share of (`claim`)
+        self._claimed: dict[str, int] = {}  # stage 0: peer id -> the latest epoch our claim to it was answered
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         # peers a Progress could not reach (dead or frozen: their DHT records outlive them by up to a record's
         # lifetime), by when: left out of the group even while the DHT lists them, until they speak again or
@@ -84,6 +86,8 @@ class StagePeers:
             self.view[msg.peer_id] = progress
         if msg.stopped_admitting:
             self._not_admitting.add(msg.peer_id)
+        elif msg.claims:
+            self._claims[msg.peer_id] = max(self._claims.get(msg.peer_id, -1), int(msg.epoch))
         self._first_epoch.setdefault(msg.peer_id, int(msg.epoch))
         counts = self._counts.setdefault(int(msg.epoch), {})
         counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
@@ -117,7 +121,9 @@ class StagePeers:
         end_epoch: bool,
         admitted: tuple[int, int] = (0, 0),
         stopped_admitting: bool = False,
-    ) -> None:
+        claims: bool = False,
+    ) -> dict[str, pb.ProgressAck]:
+        """Our progress to every stage peer. Returns the answers of those that took it, by peer id."""
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -130,25 +136,62 @@ class StagePeers:
             admitted_next=admitted[1],
             stopped_admitting=stopped_admitting,
             public_key=self.sdht.identity.public_key,
+            claims=claims,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
-        await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in list(self.peers.items())))
+        peers = list(self.peers.items())
+        acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
+        return {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
 
-    async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> None:
+    async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck | None:
         try:
-            await self._channels.stub(address).progress(msg, timeout=self.peer_timeout)
+            return await self._channels.stub(address).progress(msg, timeout=self.peer_timeout)
         except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
             if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
                 logger.debug("stage peer %s does not list us yet", address)
-                return
+                return None
             logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
-            # only a peer we have heard from is held out: one that is starting may not serve gRPC yet, and leaving it
-            # out of the group for long would let each stage-0 peer admit a whole global batch of its own
-            if self.peers.pop(peer_id, None) is not None and self.heard_from(peer_id):
-                self._unreachable[peer_id] = time.monotonic()
-                self.held[peer_id] = address
-            self.view.pop(peer_id, None)
-            await self._channels.drop(address)
+            # only a peer we have heard from is held out: one that is starting may not serve gRPC yet
+            await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+            return None
+
+    async def _drop(self, peer_id: str, address: str, hold: bool) -> None:
+        """Leave a peer out of the group; `hold`: even while the DHT lists it, until it speaks again or
+        UNREACHABLE_HOLD_S pass."""
+        if self.peers.pop(peer_id, None) is not None and hold:
+            self._unreachable[peer_id] = time.monotonic()
+            self.held[peer_id] = address
+        self.view.pop(peer_id, None)
+        await self._channels.drop(address)
+
+    def must_claim(self, epoch: int) -> bool:
+        """Stage 0, before admitting towards `epoch`: whether some peer may not count us among the admitting peers
+        (`admitting`): only a peer that answered our claim of `epoch` or the one before surely does."""
+        return any(self._claimed.get(p, -2) < epoch - 1 for p in self.peers)
+
+    async def claim(self, epoch: int, samples: int, admitted: tuple[int, int]) -> bool:
+        """Stage 0: ask every peer to count us among the admitting peers of `epoch` and the next one, and learn what
+        each had admitted towards them when it did. Returns whether every peer we count answered (one the DHT listed
+        meanwhile has not been asked yet): one that does not count us may admit the whole batch. A peer that refuses the claim although it read the DHT for it
+        (`on_progress`), or answers garbage, is left out of the group like an unreachable one: else a single hostile
+        peer would keep every other peer from admitting."""
+        asked = dict(self.peers)
+        acks = await self.broadcast(epoch, samples, False, admitted, claims=True)
+        for peer_id, address in asked.items():
+            if peer_id not in self.peers:  # unreachable: already dropped
+                continue
+            ack = acks.get(peer_id)
+            if ack is None or not (0 <= ack.admitted < 2**40 and 0 <= ack.admitted_next < 2**40):
+                logger.info(
+                    "stage peer %s refused our claim of global batch %d; dropping it from the group", address, epoch
+                )
+                await self._drop(peer_id, address, hold=True)
+                continue
+            for e, n in ((epoch, ack.admitted), (epoch + 1, ack.admitted_next)):
+                known = self._admitted.setdefault(e, {})
+                known[peer_id] = max(known.get(peer_id, 0), int(n))
+            self._claimed[peer_id] = max(self._claimed.get(peer_id, -2), epoch)
+        return not self.must_claim(epoch)
 
     # --- queries (any thread: they copy what the event loop updates) -----------------------------------------------
 
@@ -180,8 +223,9 @@ class StagePeers:
         return self._admitted.get(epoch, {}).get(peer_id, 0)
 
     def admitting(self, epoch: int) -> list[str]:
-        """Live peers that admit Forwards (stage 0): those that did towards `epoch` or the one before, and those we
-        have known for less than an epoch. A peer that trainers stopped sending work to drops out after an epoch."""
+        """Live peers that admit Forwards (stage 0): those that did towards `epoch` or the one before, that claimed a
+        share of either, and those we have known for less than an epoch. A peer that trainers stopped sending work to
+        drops out after an epoch."""
         return [
             p
             for p in self.peers
@@ -189,6 +233,7 @@ class StagePeers:
             and (
                 self.admitted_by(p, epoch)
                 or self.admitted_by(p, epoch - 1)
+                or self._claims.get(p, -2) >= epoch - 1
                 or self._first_epoch.get(p, epoch) >= epoch - 1
             )
         ]

@@ -23,8 +23,9 @@ from swarm.protocol.p2p import P2PStub
 from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = 5  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs;
-# 5: stage 0 signs its admissions (CallMeta.admitted_by, admission_signature)
+PROTOCOL_VERSION = 6  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs;
+# 5: stage 0 signs its admissions (CallMeta.admitted_by, admission_signature); 6: stage 0 peers claim their share of a
+# global batch and the answer carries the receiver's admissions (StageProgress.claims, ProgressAck.admitted)
 CHUNK_BYTES = 2 << 20
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
