@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--identity-path", default=None, help="private key file: keeps the peer id across restarts")
     parser.add_argument("--maddr-file", default=None, help="also write the multiaddrs here, one per line")
     parser.add_argument(
+        "--public",
+        action="store_true",
+        help="this machine is publicly reachable: relay libp2p traffic for servers behind NAT at once (libp2p relays "
+        "only for a node it knows to be public; without this flag it finds out from other peers, which takes a while)",
+    )
+    parser.add_argument(
         "--swarm-name", default="swarm", help="refuse malformed or unsigned server records under this swarm's keys"
     )
     key = parser.add_mutually_exclusive_group()
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         identity_path=args.identity_path,
         swarm_name=args.swarm_name,
         swarm_key=swarm_key,
+        relay="serve" if args.public else "use",
     )
     responder = threading.Thread(
         target=asyncio.run, args=(answer_reach_checks(dht, stop, swarm_key),), name="reach", daemon=True

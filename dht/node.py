@@ -28,10 +28,12 @@ from dht.identity import Identity, fingerprint
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, signed_records, stage_key
 from swarm.net import DHT_WAIT_TIMEOUT_S, listen_multiaddrs
+from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.access import SwarmKey
 from swarm.protocol.tls import pin
 
 logger = logging.getLogger(__name__)
+RELAY_MODES = ("use", "reserve", "no-listen", "serve")
 
 
 def start_dht(
@@ -44,12 +46,21 @@ def start_dht(
     swarm_name: str | None = None,
     wait_timeout: float = DHT_WAIT_TIMEOUT_S,
     swarm_key: SwarmKey | None = None,
+    relay: str = "use",
 ) -> hivemind.DHT:
     """Blocking (about a second): call it before the event loop starts, or in an executor. `identity` signs this
     node's records (a fresh one if None: the node still validates everyone else's). `swarm_name`: also refuse
     malformed records under that swarm's stage keys (dht/records.py). `identity_path`: libp2p's key. `wait_timeout`:
     how long the node waits for another node's answer (hivemind's). `swarm_key`: a private swarm's; the node then
-    talks only to nodes that hold it (swarm/protocol/access.py)."""
+    talks only to nodes that hold it (swarm/protocol/access.py). `relay` (libp2p circuit relays, RELAY_MODES): "use"
+    dials peers behind NAT through relays; "reserve" also finds a relay to be reached through when we are behind NAT
+    (servers); "no-listen" accepts no inbound connection at all, reachable through relays only (how tests emulate a
+    home router); "serve" says this node is publicly reachable, so that it relays for others at once (a bootstrap
+    node on a public machine: libp2p relays only for a node it finds public). A node behind NAT holds its reservation
+    on its bootstrap peers (the daemon's trusted relays) about 3.5 minutes after it starts (libp2p's autorelay waits
+    for more candidates first; measured on loopback: 208 s)."""
+    if relay not in RELAY_MODES:
+        raise ValueError(f"relay mode {relay!r} is not one of {RELAY_MODES}")
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
     # that escapes our process groups and outlives us by tens of seconds; we share no tensors between processes.
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
@@ -57,7 +68,11 @@ def start_dht(
     identity = identity or Identity()
     dht = hivemind.DHT(
         initial_peers=list(initial_peers),
-        host_maddrs=listen_multiaddrs(host, port),
+        host_maddrs=[] if relay == "no-listen" else listen_multiaddrs(host, port),
+        no_listen=relay == "no-listen",
+        use_auto_relay=relay != "use",
+        # libp2p reserves a relay slot only once it knows the node private; with no address, AutoNAT never finds out
+        force_reachability={"serve": "public", "no-listen": "private"}.get(relay),
         client_mode=client_mode,
         identity_path=identity_path,
         record_validators=[identity.validator, *([StageRecordValidator(swarm_name)] if swarm_name else [])],
@@ -111,6 +126,7 @@ class SwarmDHT:
         """Blocking: a new identity and a DHT node signing with it (`kwargs`: those of `start_dht`)."""
         identity = Identity()
         dht = start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs)
+        p2p_transport.RELAYS[:] = map(str, initial_peers)  # servers behind NAT hold relay reservations there
         return cls(dht, swarm_name, identity, config, swarm_key=kwargs.get("swarm_key"))
 
     @property

@@ -55,6 +55,13 @@ class NetworkConfig:
             "choices": ["auto", "grpc", "p2p"],
         },
     )
+    dht_no_listen: bool = field(
+        default=False,
+        metadata={
+            "help": "our DHT node accepts no inbound libp2p connection: reachable through a relay only, as behind a "
+            "home router (tests; a server behind a real NAT finds a relay without it)"
+        },
+    )
     check_reachability: bool = field(
         default=True,
         metadata={"help": "at start, ask a few swarm peers to dial our gRPC address back, and say whether they could"},

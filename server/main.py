@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         port=cfg.network.dht_port,
         wait_timeout=cfg.network.dht_wait_timeout,
         swarm_key=swarm_key,
+        relay="no-listen" if cfg.network.dht_no_listen else "reserve",
     )
     try:
         uvloop.run(_main(StageServer(cfg, model_cfg, sdht, device)))

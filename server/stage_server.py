@@ -128,6 +128,21 @@ class StageServer:
     def serving(self) -> bool:
         return self.state is PeerState.SERVING
 
+    async def _libp2p_path(self) -> str:
+        """How callers' libp2p daemons reach ours, as far as we can tell: directly at the addresses it listens on
+        (when they can dial one), else through a relay (a public DHT node: swarm-dht --public)."""
+        try:
+            maddrs = await (await self.sdht.p2p()).get_visible_maddrs()
+        except ValueError:  # hivemind: "No multiaddrs found"
+            maddrs = []
+        direct = [str(m) for m in maddrs if "p2p-circuit" not in str(m)]
+        if not direct:
+            return "through a relay only: our DHT node listens on no address (a public DHT node relays: swarm-dht --public)"
+        return (
+            f"directly at {', '.join(direct)} where they can dial it, else through a relay (a public DHT node: "
+            f"swarm-dht --public)"
+        )
+
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(
             host=self.cfg.network.announce_host or self.seen_host or self.cfg.network.host,
@@ -227,6 +242,8 @@ class StageServer:
             if cfg.network.check_reachability:
                 await self.check_reachability()
             service.transport = "p2p" if self.p2p_only else "grpc+tls" if self.tls else "grpc"
+            if self.p2p_only:
+                logger.info("over libp2p, callers reach us %s", await self._libp2p_path())
         collab.address = self.record().address
         await collab.start()
         self.service.attach(worker, self.active.schema, collab)

@@ -5,7 +5,13 @@ Every server also serves its four Stage methods as libp2p stream handlers on its
 and refusals), and in a private swarm the same call proofs (swarm/protocol/access.py). A server that the swarm's
 peers cannot dial (its reachability check said so, or `--transport p2p`) announces `p2p:<its libp2p id>` as its
 address; every caller's `rpc.Channels` then reaches it through its own DHT node's daemon, which dials it directly,
-through a hole libp2p punched, or through a relay, as libp2p manages. Direct gRPC stays the fast path.
+or through a relay. Direct gRPC stays the fast path.
+
+Relays: a server behind NAT holds a reservation on the swarm's public DHT nodes (its bootstrap peers; `swarm-dht
+--public` relays). A caller's daemon finds a peer's addresses by libp2p routing, which does not find relayed ones from
+a client-mode DHT node (a trainer's): when routing fails, the caller dials the server through each of its own
+bootstrap peers (`RELAYS`, set by `SwarmDHT.start`) as a relay, then calls again. The daemon in hivemind's wheel does
+not punch holes: a relayed connection stays relayed (the relay caps it in time and bytes: 30 min, 4 GiB a direction).
 
 One libp2p stream per call: the caller sends a first `P2PCall` with its deadline and proof, then one per request
 frame; the server answers one per reply frame, and a failed call ends with one carrying a gRPC status code and its
@@ -42,6 +48,67 @@ MAX_MESSAGE_BYTES = 5 << 20  # a frame (2 MiB of payload plus its header) or a u
 PREFETCH = 4  # request messages read ahead of the handler
 LINGER_S = 10.0  # how long a server holds a stream whose reply it sent, for the caller to read it and close
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+P2P_CODE, CIRCUIT_CODE = 421, 290  # multiaddr protocol codes of /p2p/<id> and /p2p-circuit
+# multiaddrs of the swarm's bootstrap nodes, "/ip4/.../tcp/.../p2p/<id>": the relays a server behind NAT is reached
+# through (set by SwarmDHT.start from --initial-peers)
+RELAYS: list[str] = []
+
+
+class _Maddr:
+    """A binary multiaddr for hivemind's daemon client, which takes anything with `to_bytes`."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def to_bytes(self) -> bytes:
+        return self.raw
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def circuit_through(relay: str) -> _Maddr:
+    """The address of "any peer, through `relay`": `relay` (a multiaddr ending in /p2p/<its id>) + /p2p-circuit. Built
+    by hand: hivemind's multiaddr encodes a /p2p/ id as a CID, which the daemon cannot parse in a binary address."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    base, sep, relay_id = relay.rpartition("/p2p/")
+    if not sep or not base:
+        raise ValueError(f"a relay's multiaddr must end in /p2p/<its libp2p id>: {relay!r}")
+    multihash = PeerID.from_base58(relay_id).to_bytes()
+    return _Maddr(
+        Multiaddr(base).to_bytes() + _varint(P2P_CODE) + _varint(len(multihash)) + multihash + _varint(CIRCUIT_CODE)
+    )
+
+
+async def _dial_through_relays(p2p, peer) -> str | None:
+    """Connect our daemon to `peer` through the first of RELAYS that has it; returns that relay, or None."""
+    for relay in RELAYS:
+        try:
+            await asyncio.wait_for(p2p._client.connect(peer, [circuit_through(relay)]), 10)
+        except Exception as e:  # no reservation of the peer there, a relay down, a malformed address
+            logger.debug("dialling %s through relay %s failed: %r", peer, relay, e)
+            continue
+        return relay
+    return None
+
+
+async def _open(p2p, peer, name: str):
+    """A stream to `peer`'s handler `name`: directly, or (when routing finds no address) through a relay."""
+    try:
+        return await p2p.call_binary_stream_handler(peer, name)
+    except Exception as e:
+        if "routing: not found" not in str(e) or (relay := await _dial_through_relays(p2p, peer)) is None:
+            raise
+    logger.info("reached %s through relay %s", peer, relay)
+    return await p2p.call_binary_stream_handler(peer, name)
 
 
 def handler_name(method: str) -> str:
@@ -263,7 +330,7 @@ class P2PStub:
 
                 self._peer = PeerID.from_base58(self.peer_id)
             p2p = await self.get_p2p()
-            _, reader, writer = await p2p.call_binary_stream_handler(self._peer, handler_name(method))
+            _, reader, writer = await _open(p2p, self._peer, handler_name(method))
         except Exception as e:  # libp2p's: the daemon could not reach the peer; a malformed peer id
             raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
         sending = asyncio.ensure_future(send(writer))

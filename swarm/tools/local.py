@@ -276,10 +276,11 @@ class LocalSwarm:
         self.children[name] = child = Child(name, proc, log_path)
         return child
 
-    def start_dht(self, timeout: float = 60.0) -> list[str]:
+    def start_dht(self, flags: Sequence[str] = (), timeout: float = 60.0) -> list[str]:
+        """The swarm's bootstrap node (swarm-dht with `flags`); returns its multiaddrs once it runs."""
         maddr_file = self.log_dir / "dht.maddr"
         args = ["--host", "127.0.0.1", "--port", "0", "--maddr-file", str(maddr_file), "--swarm-name", self.swarm_name]
-        args += self.key_args
+        args += [*self.key_args, *flags]
         child = self.spawn("dht", "dht.main", args)
         deadline = time.monotonic() + timeout
         while not maddr_file.exists():
