@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import time
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.protocol.access import REFUSAL_LOG_INTERVAL_S, SwarmKey
+from swarm.protocol.access import Refusals, SwarmKey
 
 logger = logging.getLogger(__name__)
 TOKEN_LIFETIME_S = 3600.0
@@ -26,8 +25,7 @@ class SwarmKeyAuthorizer(TokenAuthorizerBase):
     def __init__(self, key: SwarmKey, private_key: RSAPrivateKey):
         super().__init__(private_key)
         self.key = key
-        self.refused = 0
-        self._logged_at = -REFUSAL_LOG_INTERVAL_S
+        self.refusals = Refusals()
 
     def _tag(self, token: AccessToken) -> bytes:
         return self.key.mac(b"dht", token.username.encode(), token.public_key, token.expiration_time.encode())
@@ -55,14 +53,10 @@ class SwarmKeyAuthorizer(TokenAuthorizerBase):
     async def validate_request(self, request) -> bool:
         if await super().validate_request(request):
             return True
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._logged_at >= REFUSAL_LOG_INTERVAL_S:
-            self._logged_at = now
-            logger.warning(
-                "refused a DHT request without a valid proof of swarm %s's key (%d so far): a peer started without "
-                "--swarm-key, or with another one",
-                self.key.swarm_id,
-                self.refused,
-            )
+        self.refusals.add(
+            logger,
+            "refused a DHT request without a valid proof of swarm %s's key: a peer started without --swarm-key, or "
+            "with another one",
+            self.key.swarm_id,
+        )
         return False

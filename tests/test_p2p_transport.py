@@ -120,7 +120,7 @@ async def test_garbage_over_libp2p_gets_a_status_not_a_crash(pair):
     assert (await P2PStub(get_p2p, server_id).info(pb.InfoRequest(), timeout=10)).stage == 7  # still answering
 
 
-async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair):
+async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair, caplog):
     server_p2p, get_p2p, server_id, echo, info, seen = pair
     key = SwarmKey.new()
     await serve(server_p2p, echo, echo, info, refuse, key)
@@ -131,6 +131,9 @@ async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair):
             [f async for f in stub.forward(iter([b"frame"]), timeout=10)]
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and key.swarm_id in err.value.details()
     assert seen == []
+    refusals = [r.getMessage() for r in caplog.records if "over libp2p from" in r.getMessage()]
+    assert len(refusals) == 1, "the owner hears of refused calls, one line per interval however many come"
+    assert "refused Forward over libp2p" in refusals[0] and key._secret.hex() not in refusals[0], refusals
 
 
 @pytest.mark.timeout(300)

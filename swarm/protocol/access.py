@@ -171,14 +171,30 @@ class ProvingCall:
         return self._call(*args, metadata=(*metadata, proof), **kwargs)
 
 
+class Refusals:
+    """Counts refused calls and logs at most one every REFUSAL_LOG_INTERVAL_S: a flood of uninvited calls must not
+    flood the log."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged_at = -REFUSAL_LOG_INTERVAL_S
+
+    def add(self, log: logging.Logger, message: str, *args: object) -> None:
+        """One more refusal; `message` % `args` (with the count so far appended) if it is time to log one."""
+        self.count += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSAL_LOG_INTERVAL_S:
+            self._logged_at = now
+            log.warning(f"{message} (%d refused so far)", *args, self.count)
+
+
 class RequireSwarmKey(grpc.aio.ServerInterceptor):
     """A gRPC server's gate: calls without a valid, fresh, unused proof of `key` are refused (PERMISSION_DENIED)
     before their handler runs; their payload is never read."""
 
     def __init__(self, key: SwarmKey):
         self.key = key
-        self.refused = 0
-        self._logged_at = -REFUSAL_LOG_INTERVAL_S
+        self.refusals = Refusals()
         self._draining = 0
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -201,13 +217,7 @@ class RequireSwarmKey(grpc.aio.ServerInterceptor):
                         await asyncio.wait_for(_drain(request), DRAIN_S)
                 finally:
                     self._draining -= 1
-            self.refused += 1
-            now = time.monotonic()
-            if now - self._logged_at >= REFUSAL_LOG_INTERVAL_S:
-                self._logged_at = now
-                logger.warning(
-                    "refused %s from %s: %s (%d refused so far)", method, context.peer()[:80], reason, self.refused
-                )
+            self.refusals.add(logger, "refused %s from %s: %s", method, context.peer()[:80], reason)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"private swarm {self.key.swarm_id}: {reason}")
 
         # bytes in and out: nothing the caller sent is parsed

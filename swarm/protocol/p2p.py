@@ -52,6 +52,7 @@ P2P_CODE, CIRCUIT_CODE = 421, 290  # multiaddr protocol codes of /p2p/<id> and /
 # multiaddrs of the swarm's bootstrap nodes, "/ip4/.../tcp/.../p2p/<id>": the relays a server behind NAT is reached
 # through (set by SwarmDHT.start from --initial-peers)
 RELAYS: list[str] = []
+REFUSALS = access.Refusals()  # calls refused for want of the private swarm's key
 
 
 class _Maddr:
@@ -252,6 +253,7 @@ def _streaming(method: str, handler: Callable, key: access.SwarmKey | None) -> C
         except (StopAsyncIteration, TimeoutError):
             return
         if key is not None and (reason := key.check_call(path, first.auth or None)) is not None:
+            REFUSALS.add(logger, "refused %s over libp2p from %s: %s", method, remote_id, reason)
             yield _status(grpc.StatusCode.PERMISSION_DENIED, f"private swarm {key.swarm_id}: {reason}")
             return
         if not 0 <= first.timeout <= MAX_TIMEOUT_S:
