@@ -194,6 +194,7 @@ def _framed(method: str, handler: Callable, key: access.SwarmKey | None) -> Call
         try:
             while not processing.done():
                 receiving = asyncio.ensure_future(_receive(reader))
+                receiving.add_done_callback(_retrieved)  # one left behind when the handler is cancelled (shutdown)
                 await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
                 if not receiving.done():
                     receiving.cancel()
