@@ -25,7 +25,7 @@ from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Behind, Collaboration, ProgressRefused
 from server.collab.tickets import Ticket, TicketRefused, TicketSpent, ticket_key
 from server.config import GuardConfig
-from server.worker import DeadlineExpired, StageWorker
+from server.worker import DeadlineExpired, StageWorker, valid_lineage
 from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
 from swarm.compression.memory import ErrorMemory
 from swarm.compression.policy import role_of
@@ -205,6 +205,7 @@ class StageService:
             and 0 <= msg.samples < 2**40
             and 0 <= msg.admitted < 2**40
             and 0 <= msg.admitted_next < 2**40
+            and (not msg.lineage or valid_lineage(msg.lineage))
             and len(msg.address) <= 300
             and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))
             and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES

@@ -17,6 +17,8 @@ import contextlib
 import hashlib
 import logging
 import math
+import re
+import secrets
 import threading
 import time
 from collections import deque
@@ -35,6 +37,14 @@ from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
 
 logger = logging.getLogger(__name__)
+INITIAL_LINEAGE = "init"
+_LINEAGE = re.compile(r"init|[0-9a-f]{16}")
+
+
+def valid_lineage(value: object) -> bool:
+    return isinstance(value, str) and _LINEAGE.fullmatch(value) is not None
+
+
 R = TypeVar("R")
 PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
 
@@ -129,6 +139,9 @@ class StageWorker:
         self.queue_length = 0
         self.param_version = 0  # optimizer steps taken
         self.epoch = 0  # global batches finished; ahead of param_version by a pending delayed step or stepless epochs
+        # where our parameters come from: every peer that starts from the shared seed holds the same ones; a step
+        # alone starts a history of our own (`branch`), and a downloaded state brings its donor's
+        self.lineage = INITIAL_LINEAGE
         self.samples_processed = 0
         self.samples_accumulated = 0  # towards the current epoch
         self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
@@ -378,6 +391,7 @@ class StageWorker:
                 "scalars": scalars,
                 "param_groups": opt_state["param_groups"],
                 "schedule": self.schedule.state_dict(),
+                "lineage": self.lineage,
             }
         return meta, tensors
 
@@ -403,6 +417,12 @@ class StageWorker:
             self.schedule.load_state_dict(meta["schedule"])
             self.param_version = int(meta["param_version"])
             self.epoch = int(meta.get("epoch", self.param_version))
+            lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
+            self.lineage = lineage if isinstance(lineage, str) and valid_lineage(lineage) else secrets.token_hex(8)
+
+    def branch(self) -> None:
+        """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""
+        self.lineage = secrets.token_hex(8)
 
     def _check_optimizer_settings(self, groups: list[dict]) -> None:
         """Raises ValueError unless a state's optimizer settings are this peer's: the same hyperparameters, and a

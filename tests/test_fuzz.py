@@ -150,6 +150,8 @@ class Fuzzer:
             samples=rng.choice([0, 8, 2**40, -3]),
             end_epoch=rng.random() < 0.5,
             address=rng.choice(["", "127.0.0.1:1", "nonsense", "a" * 400 + ":1"]),
+            claims=rng.random() < 0.3,
+            lineage=rng.choice(["", "init", "0" * 16, "x" * 16, "l" * 5000]),
         )
         return "Progress", msg.SerializeToString()
 

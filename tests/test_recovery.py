@@ -66,3 +66,52 @@ def test_with_nobody_left_holding_samples_the_epoch_stays_open():
     threading.Timer(0.3, lambda: peers.peers.pop("a")).start()
     assert recovery.after_failed_round([torch.ones(3)], 0) is None
     assert worker.returned == 0
+
+
+def test_a_lone_step_starts_a_lineage_of_its_own_and_a_downloaded_state_brings_its_donors():
+    """server/worker.py: peers that start from the shared seed share the lineage "init"; a step alone draws a new one;
+    a state carries its lineage to whoever downloads it; a state without one, or with garbage, has a history of its
+    own."""
+    from server.config import ComputeConfig, OptimizerConfig
+    from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
+    from swarm.config import tiny_test
+    from swarm.model import Stage
+
+    def worker() -> StageWorker:
+        return StageWorker(Stage(tiny_test(), 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+
+    donor, joiner = worker(), worker()
+    assert donor.lineage == joiner.lineage == INITIAL_LINEAGE
+    donor.branch()
+    assert donor.lineage != INITIAL_LINEAGE and valid_lineage(donor.lineage)
+    joiner.load_state(*donor.state_tensors())
+    assert joiner.lineage == donor.lineage
+    for garbage in (None, "", "x" * 5000, 7, "INIT", "0123456789abcdeg"):
+        meta, tensors = donor.state_tensors()
+        meta["lineage"] = garbage
+        joiner.load_state(meta, tensors)
+        assert valid_lineage(joiner.lineage) and joiner.lineage not in (donor.lineage, INITIAL_LINEAGE), garbage
+
+
+def test_peers_of_two_lineages_agree_on_one_reference():
+    """server/collab/progress.py: the smallest peer id at the epoch, us included, is the reference; a peer copies it
+    only if it holds another lineage; peers at other epochs, or that left, do not count."""
+    from server.collab.progress import StagePeers
+    from swarm.protocol import wire_pb2 as pb
+
+    def peer(me: str, lineages: dict[str, tuple[int, str]]) -> StagePeers:
+        peers = StagePeers(SimpleNamespace(peer_id=me, p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
+        peers.peers = {p: "127.0.0.1:1" for p in lineages}
+        for p, (epoch, lineage) in lineages.items():
+            peers.record(pb.StageProgress(peer_id=p, epoch=epoch, lineage=lineage))
+        return peers
+
+    ours, theirs = "0" * 16, "f" * 16
+    assert peer("b", {"a": (3, theirs), "c": (3, ours)}).lineage_reference(3, ours) == "a"
+    assert peer("c", {"a": (3, theirs), "b": (3, ours)}).lineage_reference(3, ours) == "a"
+    assert peer("c", {"a": (3, ours), "b": (3, theirs)}).lineage_reference(3, ours) is None, "b copies a: we hold a's"
+    assert peer("a", {"b": (3, theirs)}).lineage_reference(3, ours) is None, "we are the reference"
+    assert peer("b", {"a": (2, theirs)}).lineage_reference(3, ours) is None, "a is at another epoch"
+    gone = peer("b", {"a": (3, theirs)})
+    gone.peers.pop("a")
+    assert gone.lineage_reference(3, ours) is None, "a left the stage"

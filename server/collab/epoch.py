@@ -271,10 +271,12 @@ class StageCollaboration:
 
     async def _broadcast(self, end_epoch: bool) -> None:
         while True:  # the compute thread may end the epoch between the two reads: read both from the same epoch
-            epoch, samples = self.epoch, self.worker.samples_accumulated
+            epoch, samples, lineage = self.epoch, self.worker.samples_accumulated, self.worker.lineage
             if self.epoch == epoch:
                 break
-        await self.peers.broadcast(epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting)
+        await self.peers.broadcast(
+            epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting, lineage=lineage
+        )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
         """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
@@ -541,13 +543,21 @@ class StageCollaboration:
             self.worker.skip_to(max(epoch + 1, skip_to or 0))
             return
         grads, n = self.worker.take_gradients()
+        # read before the step: the lineages our peers reported for this epoch
+        reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
         averaged = self._average(grads, n, n_peers, epoch, True)
         if averaged is None:
-            averaged = self.recovery.after_failed_round(grads, n)
+            averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
         if averaged is not None:
             self.worker.apply_gradients(averaged, end_epoch=True)
+            if n_peers <= 1 and n > 0:
+                self.worker.branch()  # peers we did not know of may have stepped too, alone or together
         if self.epoch == epoch:
             return
+        if reference is not None:
+            # peers that each stepped alone (two that started together, before either listed the other) hold
+            # different parameters, and an all-reduce of gradients keeps them apart: one lineage copies the other
+            self.recovery.adopt(reference, epoch)
         if n_peers <= 1 and skip_to is not None and skip_to > self.epoch:
             self.worker.skip_to(skip_to)
         if (

@@ -32,6 +32,7 @@ class StagePeers:
         self.address = ""  # our own host:port, set by the server once gRPC is bound
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
         self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
+        self.lineages: dict[str, tuple[int, str]] = {}  # their parameters' lineage: peer id -> (epoch, lineage)
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
@@ -84,6 +85,8 @@ class StagePeers:
         progress = (int(msg.epoch), int(msg.samples))
         if progress >= self.view.get(msg.peer_id, progress):
             self.view[msg.peer_id] = progress
+            if msg.lineage:
+                self.lineages[msg.peer_id] = int(msg.epoch), msg.lineage
         if msg.stopped_admitting:
             self._not_admitting.add(msg.peer_id)
         elif msg.claims:
@@ -113,6 +116,7 @@ class StagePeers:
         self._missed_once = set(missed)
         self.peers = {**missed, **listed}
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
+        self.lineages = {p: v for p, v in self.lineages.items() if p in self.peers}
 
     async def broadcast(
         self,
@@ -122,6 +126,7 @@ class StagePeers:
         admitted: tuple[int, int] = (0, 0),
         stopped_admitting: bool = False,
         claims: bool = False,
+        lineage: str = "",
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id."""
         msg = pb.StageProgress(
@@ -137,6 +142,7 @@ class StagePeers:
             stopped_admitting=stopped_admitting,
             public_key=self.sdht.identity.public_key,
             claims=claims,
+            lineage=lineage,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         peers = list(self.peers.items())
@@ -237,6 +243,16 @@ class StagePeers:
                 or self._first_epoch.get(p, epoch) >= epoch - 1
             )
         ]
+
+    def lineage_reference(self, epoch: int, lineage: str) -> str | None:
+        """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
+        lineage (some stepped alone, not knowing of the others): the smallest peer id at `epoch`, us included, unless
+        that is us or it holds our lineage. Every peer names the same reference."""
+        same = {p: line for p, (e, line) in dict(self.lineages).items() if e == epoch and p in self.peers}
+        reference = min([self.sdht.peer_id, *same])
+        if reference == self.sdht.peer_id or same[reference] == lineage:
+            return None
+        return reference
 
     def members(self) -> list[str]:
         """The libp2p ids of every peer the DHT lists, or listed, on this stage (signed records): the only peers our

@@ -175,6 +175,26 @@ class Recovery:
         self.worker.return_gradients(grads, n_samples)
         return None
 
+    def adopt(self, reference: str, epoch: int) -> bool:
+        """Compute thread, right after our step of `epoch` (no request has seen our new parameters): load the state
+        `reference` has after its step of `epoch`, whose lineage (server/worker.py) the stage keeps. False if it did
+        not send it in time (the next epoch tries again)."""
+        logger.warning(
+            "stage %d epoch %d: %s holds parameters of another history (a peer stepped alone): copying its state",
+            self.stage,
+            epoch,
+            reference[-6:],
+        )
+        self.averager.allow_state_sharing = False  # nobody must take the parameters we are about to drop
+        try:
+            if self._copy_once_stepped(reference, epoch, time.monotonic() + 2 * self.cfg.averaging_timeout):
+                return True
+        except UNUSABLE_STATE as e:
+            logger.warning("copying the state of %s failed: %r", reference[-6:], e)
+        finally:
+            self.averager.allow_state_sharing = True
+        return False
+
     def _reference(self, epoch: int, me: str, n_samples: int) -> tuple[str | None, str]:
         """The peer that steps alone after a failed round of `epoch`, among the live ones, and why; None if nobody
         has samples."""
