@@ -136,12 +136,10 @@ class StageServer:
         except ValueError:  # hivemind: "No multiaddrs found"
             maddrs = []
         direct = [str(m) for m in maddrs if "p2p-circuit" not in str(m)]
+        hint = "a public DHT node relays: swarm-dht --public"
         if not direct:
-            return "through a relay only: our DHT node listens on no address (a public DHT node relays: swarm-dht --public)"
-        return (
-            f"directly at {', '.join(direct)} where they can dial it, else through a relay (a public DHT node: "
-            f"swarm-dht --public)"
-        )
+            return f"through a relay only: our DHT node listens on no address ({hint})"
+        return f"directly at {', '.join(direct)} where they can dial it, else through a relay ({hint})"
 
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
@@ -41,7 +41,7 @@ INITIAL_LINEAGE = "init"
 _LINEAGE = re.compile(r"init|[0-9a-f]{16}")
 
 
-def valid_lineage(value: object) -> bool:
+def valid_lineage(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _LINEAGE.fullmatch(value) is not None
 
 
@@ -418,7 +418,7 @@ class StageWorker:
             self.param_version = int(meta["param_version"])
             self.epoch = int(meta.get("epoch", self.param_version))
             lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
-            self.lineage = lineage if isinstance(lineage, str) and valid_lineage(lineage) else secrets.token_hex(8)
+            self.lineage = lineage if valid_lineage(lineage) else secrets.token_hex(8)
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""

@@ -136,8 +136,12 @@ def test_a_peer_idle_for_epochs_claims_its_share_before_it_admits_so_the_batch_n
 async def test_a_claim_leaves_out_peers_that_refuse_it_or_answer_garbage(monkeypatch):
     """A peer that does not count our share may admit the whole batch, so it must not count in ours either; and one
     hostile peer refusing every claim must not stop the others from admitting."""
-    admission = stage0_peer("me", "good", "garbage", "refusing", quota=16)
-    answers = {"good": pb.ProgressAck(epoch=3, admitted=8, admitted_next=4), "garbage": pb.ProgressAck(admitted=-5)}
+    admission = stage0_peer("me", "good", "garbage", "huge", "refusing", quota=16)
+    answers = {
+        "good": pb.ProgressAck(epoch=3, admitted=8, admitted_next=4),
+        "garbage": pb.ProgressAck(admitted=-5),
+        "huge": pb.ProgressAck(admitted_next=2**62),  # "the batch is full": we would never admit again
+    }
 
     async def broadcast(*args, **kwargs):
         assert kwargs["claims"]
@@ -145,9 +149,9 @@ async def test_a_claim_leaves_out_peers_that_refuse_it_or_answer_garbage(monkeyp
 
     monkeypatch.setattr(admission.peers, "broadcast", broadcast)
     assert admission.peers.must_claim(3)
-    assert await admission.peers.claim(3, 0, (0, 0))
-    assert list(admission.peers.peers) == ["good"] and set(admission.peers.held) == {"garbage", "refusing"}
+    assert await admission.peers.claim(3, 0, (0, 0), most=20)
+    assert list(admission.peers.peers) == ["good"] and set(admission.peers.held) == {"garbage", "huge", "refusing"}
     assert admission.peers.admitted_by("good", 3) == 8 and admission.peers.admitted_by("good", 4) == 4
-    assert admission.peers.admitted_by("garbage", 3) == 0
+    assert admission.peers.admitted_by("garbage", 3) == 0 and admission.peers.admitted_by("huge", 4) == 0
     assert not admission.peers.must_claim(4), "a claim answered at epoch 3 covers epoch 4"
     assert admission.peers.must_claim(5)

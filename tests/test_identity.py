@@ -104,6 +104,16 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
         forged["b's signed message with an impossible count"] = signed(
             b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=10**6, end_epoch=True
         )
+        forged["a stranger's signed claim of a share, with a lineage"] = signed(
+            stranger, peer_id=stranger.peer_id, epoch=epoch, claims=True, lineage="f" * 16
+        )
+        forged["b's claim and lineage, signed with a stranger's key"] = signed(
+            stranger, peer_id=b.sdht.peer_id, epoch=epoch + 1, claims=True, lineage="f" * 16
+        )
+        forged["b's signed message with a malformed lineage"] = signed(
+            b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch + 1, lineage="x" * 40
+        )
+        claims = dict(a.collab.peers._claims)
         async with aio_channel(a.record().address) as channel:
             for what, msg in forged.items():
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -117,6 +127,8 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
             assert set(a.collab.peers.view) <= set(view) | {b.sdht.peer_id}
             assert a.collab.peers.view.get(b.sdht.peer_id, (epoch, 0))[1] < 8
             assert "made-up" not in a.collab.peers.peers and stranger.peer_id not in a.collab.peers.peers
+            assert a.collab.peers._claims == claims, "no forged claim counts a share"
+            assert all(line != "f" * 16 for _, line in a.collab.peers.lineages.values()), "nor names a lineage"
             # b's own signed message counts
             ack = await StageStub(channel).progress(
                 signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=0), timeout=5

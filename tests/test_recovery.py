@@ -8,8 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
-from server.config import AveragingConfig
+from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
+from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
+from swarm.config import tiny_test
+from swarm.model import Stage
+from swarm.protocol import wire_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -72,10 +77,6 @@ def test_a_lone_step_starts_a_lineage_of_its_own_and_a_downloaded_state_brings_i
     """server/worker.py: peers that start from the shared seed share the lineage "init"; a step alone draws a new one;
     a state carries its lineage to whoever downloads it; a state without one, or with garbage, has a history of its
     own."""
-    from server.config import ComputeConfig, OptimizerConfig
-    from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
-    from swarm.config import tiny_test
-    from swarm.model import Stage
 
     def worker() -> StageWorker:
         return StageWorker(Stage(tiny_test(), 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
@@ -96,8 +97,6 @@ def test_a_lone_step_starts_a_lineage_of_its_own_and_a_downloaded_state_brings_i
 def test_peers_of_two_lineages_agree_on_one_reference():
     """server/collab/progress.py: the smallest peer id at the epoch, us included, is the reference; a peer copies it
     only if it holds another lineage; peers at other epochs, or that left, do not count."""
-    from server.collab.progress import StagePeers
-    from swarm.protocol import wire_pb2 as pb
 
     def peer(me: str, lineages: dict[str, tuple[int, str]]) -> StagePeers:
         peers = StagePeers(SimpleNamespace(peer_id=me, p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]

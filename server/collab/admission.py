@@ -12,8 +12,9 @@ Peers that trainers stopped sending Forwards to, and peers that said they no lon
 no share. So before a peer admits towards an epoch, every other peer must have answered its claim (a Progress message
 with `claims`) of that epoch or the one before: the claim makes the receiver count the claimant's share of both, and
 the answer says what the receiver had admitted until then (StagePeers.claim). A peer idle for two epochs that admitted
-its share unannounced overfilled the batch by that share, since the others had split it without it. When our share is full but the batch, as far as we know, is not, the Forward belongs on another peer:
-`place` says so and the trainer retries there at once.
+its share unannounced overfilled the batch by that share, since the others had split it without it.
+When our share is full but the batch, as far as we know, is not, the Forward belongs on another peer: `place` says so
+and the trainer retries there at once.
 
 Event loop only: it reads the peers' counts that StagePeers keeps and keeps our own.
 """

@@ -235,8 +235,7 @@ class StageCollaboration:
         if reason is not None:
             raise ProgressRefused(reason)
         first = not self.peers.heard_from(msg.peer_id)
-        most = self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
-        if max(msg.samples, msg.admitted, msg.admitted_next) > most:
+        if max(msg.samples, msg.admitted, msg.admitted_next) > (most := self._most_samples()):
             raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
         self.peers.record(msg)
         if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
@@ -258,6 +257,10 @@ class StageCollaboration:
             return pb.ProgressAck(epoch=self.epoch)
         admitted, admitted_next = self.admission.counts(int(msg.epoch))  # from here on we count the claimant's share
         return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next)
+
+    def _most_samples(self) -> int:
+        """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
+        return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)
@@ -339,7 +342,7 @@ class StageCollaboration:
         Concurrent admissions share one claim."""
         if self._claiming is None or self._claiming[0] != epoch or self._claiming[1].done():
             samples = self.worker.samples_accumulated if self.epoch == epoch else 0
-            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch))
+            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch), self._most_samples())
             self._claiming = epoch, asyncio.ensure_future(claim)
         try:
             return await asyncio.shield(self._claiming[1])

@@ -94,9 +94,13 @@ class StagePeers:
         self._first_epoch.setdefault(msg.peer_id, int(msg.epoch))
         counts = self._counts.setdefault(int(msg.epoch), {})
         counts[msg.peer_id] = max(counts.get(msg.peer_id, 0), int(msg.samples))
-        for epoch, admitted in ((msg.epoch, msg.admitted), (msg.epoch + 1, msg.admitted_next)):
-            known = self._admitted.setdefault(int(epoch), {})
-            known[msg.peer_id] = max(known.get(msg.peer_id, 0), int(admitted))
+        self._note_admitted(msg.peer_id, int(msg.epoch), int(msg.admitted), int(msg.admitted_next))
+
+    def _note_admitted(self, peer_id: str, epoch: int, admitted: int, admitted_next: int) -> None:
+        """What `peer_id` said it admitted towards `epoch` and the next one; counts only grow."""
+        for e, n in ((epoch, admitted), (epoch + 1, admitted_next)):
+            known = self._admitted.setdefault(e, {})
+            known[peer_id] = max(known.get(peer_id, 0), n)
 
     async def refresh(self) -> None:
         """The stage's peers as the DHT lists them. A peer we know that one read misses stays until a second read
@@ -175,27 +179,26 @@ class StagePeers:
         (`admitting`): only a peer that answered our claim of `epoch` or the one before surely does."""
         return any(self._claimed.get(p, -2) < epoch - 1 for p in self.peers)
 
-    async def claim(self, epoch: int, samples: int, admitted: tuple[int, int]) -> bool:
+    async def claim(self, epoch: int, samples: int, admitted: tuple[int, int], most: int) -> bool:
         """Stage 0: ask every peer to count us among the admitting peers of `epoch` and the next one, and learn what
         each had admitted towards them when it did. Returns whether every peer we count answered (one the DHT listed
-        meanwhile has not been asked yet): one that does not count us may admit the whole batch. A peer that refuses the claim although it read the DHT for it
-        (`on_progress`), or answers garbage, is left out of the group like an unreachable one: else a single hostile
-        peer would keep every other peer from admitting."""
+        meanwhile has not been asked yet): one that does not count us may admit the whole batch. A peer that refuses
+        the claim although it read the DHT for it (`on_progress`), or answers a count below 0 or above `most` (what
+        one epoch can hold, the bound its Progress messages have too), is left out of the group like an unreachable
+        one: else a single hostile peer would keep every other peer from admitting."""
         asked = dict(self.peers)
         acks = await self.broadcast(epoch, samples, False, admitted, claims=True)
         for peer_id, address in asked.items():
             if peer_id not in self.peers:  # unreachable: already dropped
                 continue
             ack = acks.get(peer_id)
-            if ack is None or not (0 <= ack.admitted < 2**40 and 0 <= ack.admitted_next < 2**40):
+            if ack is None or not (0 <= ack.admitted <= most and 0 <= ack.admitted_next <= most):
                 logger.info(
                     "stage peer %s refused our claim of global batch %d; dropping it from the group", address, epoch
                 )
                 await self._drop(peer_id, address, hold=True)
                 continue
-            for e, n in ((epoch, ack.admitted), (epoch + 1, ack.admitted_next)):
-                known = self._admitted.setdefault(e, {})
-                known[peer_id] = max(known.get(peer_id, 0), int(n))
+            self._note_admitted(peer_id, epoch, int(ack.admitted), int(ack.admitted_next))
             self._claimed[peer_id] = max(self._claimed.get(peer_id, -2), epoch)
         return not self.must_claim(epoch)
 

@@ -139,33 +139,31 @@ class Recovery:
         round, or a peer that finishes the epoch, closes it."""
         epoch, me = self.worker.epoch, self.peers.sdht.peer_id
         deadline = time.monotonic() + 2 * self.cfg.averaging_timeout  # its round may have begun after ours
-        self.averager.allow_state_sharing = False  # a peer that needs a state must not take our stale one
         try:
-            while time.monotonic() < deadline:
-                reference, why = self._reference(epoch, me, n_samples)
-                if reference is None:  # nobody has samples this epoch: nothing to step on
-                    break
-                if reference == me:
+            with self._not_sharing():  # a peer that needs a state must not take our stale one
+                while time.monotonic() < deadline:
+                    reference, why = self._reference(epoch, me, n_samples)
+                    if reference is None:  # nobody has samples this epoch: nothing to step on
+                        break
+                    if reference == me:
+                        logger.warning(
+                            "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                            self.stage,
+                            epoch,
+                            n_samples,
+                        )
+                        return grads
                     logger.warning(
-                        "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
+                        "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
                         self.stage,
                         epoch,
-                        n_samples,
+                        reference[-6:],
+                        why,
                     )
-                    return grads
-                logger.warning(
-                    "stage %d epoch %d: copying the state of %s (%s) once it has stepped",
-                    self.stage,
-                    epoch,
-                    reference[-6:],
-                    why,
-                )
-                if self._copy_once_stepped(reference, epoch, deadline):
-                    return None
+                    if self._copy_once_stepped(reference, epoch, deadline):
+                        return None
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
-        finally:
-            self.averager.allow_state_sharing = True
         logger.warning(
             "stage %d epoch %d: no state to copy; the epoch stays open, keeping our %d samples",
             self.stage,
@@ -175,25 +173,34 @@ class Recovery:
         self.worker.return_gradients(grads, n_samples)
         return None
 
-    def adopt(self, reference: str, epoch: int) -> bool:
+    def adopt(self, reference: str, epoch: int) -> None:
         """Compute thread, right after our step of `epoch` (no request has seen our new parameters): load the state
-        `reference` has after its step of `epoch`, whose lineage (server/worker.py) the stage keeps. False if it did
-        not send it in time (the next epoch tries again)."""
+        `reference` has after its step of `epoch`, whose lineage (server/worker.py) the stage keeps. If it does not
+        send it in time, the next epoch tries again."""
         logger.warning(
             "stage %d epoch %d: %s holds parameters of another history (a peer stepped alone): copying its state",
             self.stage,
             epoch,
             reference[-6:],
         )
-        self.averager.allow_state_sharing = False  # nobody must take the parameters we are about to drop
         try:
-            if self._copy_once_stepped(reference, epoch, time.monotonic() + 2 * self.cfg.averaging_timeout):
-                return True
+            with self._not_sharing():  # nobody must take the parameters we are about to drop
+                if self._copy_once_stepped(reference, epoch, time.monotonic() + 2 * self.cfg.averaging_timeout):
+                    return
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of %s failed: %r", reference[-6:], e)
+        logger.warning(
+            "stage %d epoch %d: no state from %s; trying again next epoch", self.stage, epoch, reference[-6:]
+        )
+
+    @contextlib.contextmanager
+    def _not_sharing(self):
+        """Our averager serves no state meanwhile: the parameters we hold are about to be replaced."""
+        self.averager.allow_state_sharing = False
+        try:
+            yield
         finally:
             self.averager.allow_state_sharing = True
-        return False
 
     def _reference(self, epoch: int, me: str, n_samples: int) -> tuple[str | None, str]:
         """The peer that steps alone after a failed round of `epoch`, among the live ones, and why; None if nobody
