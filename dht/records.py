@@ -68,6 +68,8 @@ class ServerRecord:
     p2p_id: str = ""  # the peer's libp2p id, for hivemind's averagers (its swarm id is its key's fingerprint)
     tls_cert: str = ""  # PEM: its gRPC endpoint serves TLS with this certificate, which callers trust alone ("": none)
     p2p_only: bool = False  # the swarm cannot dial host:port (behind NAT): call it over libp2p, at its p2p_id
+    allreduce_bytes: int = 0  # what its stage all-reduces sent and received so far (encoded sizes)
+    allreduce_fp32_bytes: int = 0  # what the same rounds would have cost as whole fp32 tensors
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # what must match between peers: `settings`
     version: int = RECORD_VERSION
 
@@ -104,6 +106,8 @@ class ServerRecord:
             isinstance(rec.p2p_id, str) and len(rec.p2p_id) <= 128,
             isinstance(rec.p2p_only, bool) and (not rec.p2p_only or parse_p2p_id(rec.p2p_id) is not None),
             isinstance(rec.tls_cert, str) and (rec.tls_cert == "" or valid_cert(rec.tls_cert)),
+            isinstance(rec.allreduce_bytes, int) and 0 <= rec.allreduce_bytes < 2**62,
+            isinstance(rec.allreduce_fp32_bytes, int) and 0 <= rec.allreduce_fp32_bytes < 2**62,
             _plain_settings(rec.config),
         )
         return rec if all(checks) else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.collab.lowrank import AcpState
+from server.collab.lowrank import LowRankState
 from server.worker import StageWorker
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def state_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage{stage}.state.pt"
 
 
-def save_checkpoint(worker: StageWorker, directory: str | Path, acp: AcpState | None = None) -> Path:
+def save_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankState | None = None) -> Path:
     """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock;
     with ACP averaging, also its factors and this peer's residual."""
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, acp: AcpState | 
     return weights_path(directory, stage)
 
 
-def load_checkpoint(worker: StageWorker, directory: str | Path, acp: AcpState | None = None) -> int | None:
+def load_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankState | None = None) -> int | None:
     """Loads weights, optimizer state and epoch if a checkpoint of this stage exists; returns its epoch. With ACP
     averaging, also its factors and residual where the checkpoint has them (else they start over)."""
     stage = worker.stage.index

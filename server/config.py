@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from swarm.compression import CompressionPolicy
 from swarm.compression.registry import WHOLE_TENSOR_CODECS
 from swarm.metrics import MetricsConfig
 from swarm.net import DHT_WAIT_TIMEOUT_HELP, DHT_WAIT_TIMEOUT_S, SWARM_KEY_HELP
@@ -14,7 +15,7 @@ from swarm.protocol.tensors import FP16_MAX
 from swarm.protocol.tls import TlsConfig
 from swarm.rebalance import RebalanceConfig
 
-LOW_RANK_CODECS = ("acp",)  # stage all-reduce schemes that send low-rank factors (server/collab/lowrank.py)
+LOW_RANK_CODECS = ("acp", "powersgd")  # stage all-reduce schemes that send low-rank factors (server/collab/lowrank.py)
 
 SECTION = {"prefix": ""}  # a section's flags are not prefixed with its name
 
@@ -217,25 +218,27 @@ class AveragingConfig:
     allreduce_codec: str = field(
         default="blockwise8",
         metadata={
-            "help": "codec of the stage's gradient all-reduce; acp: ACP-SGD, low-rank factors with error feedback "
-            "(sent fp16, as are the tensors that stay whole)",
+            "help": "codec of the stage's gradient all-reduce; acp: ACP-SGD, one low-rank factor per epoch with error "
+            "feedback; powersgd: PowerSGD, both factors in two rounds per epoch (factors and the tensors that stay "
+            "whole are sent fp16)",
             "choices": [*WHOLE_TENSOR_CODECS, *LOW_RANK_CODECS],
         },
     )
-    allreduce_rank: int = field(default=4, metadata={"help": "acp: rank of the low-rank factors"})
+    allreduce_rank: int = field(default=4, metadata={"help": "acp/powersgd: rank of the low-rank factors"})
     allreduce_warmup_epochs: int = field(
-        default=10, metadata={"help": "acp: epochs averaged whole (fp16) before the low-rank rounds begin"}
+        default=10, metadata={"help": "acp/powersgd: epochs averaged whole (fp16) before the low-rank rounds begin"}
     )
     allreduce_error_feedback: bool = field(
-        default=True, metadata={"help": "acp: add what the factors missed to the next epoch's gradients"}
+        default=True, metadata={"help": "acp/powersgd: add what the factors missed to the next epoch's gradients"}
     )
     allreduce_query_reuse: bool = field(
-        default=True, metadata={"help": "acp: multiply by the last round's other factor (else a fresh random one)"}
+        default=True,
+        metadata={"help": "acp/powersgd: multiply by the last round's other factor (else a fresh random one)"},
     )
     allreduce_compress_stages: str = field(
         default="all",
         metadata={
-            "help": "acp: the stages that average low-rank: 'all', stage indices ('0,1') or a fraction of the stages "
+            "help": "acp/powersgd: the stages that average low-rank: 'all', stage indices ('0,1') or a fraction of the stages "
             "counted from stage 0 ('0.5'); the others average whole, 8-bit. Optimus-CC's selective compression: the "
             "earliest stages finish backward last, so their all-reduce is the one on the critical path"
         },
@@ -246,6 +249,22 @@ class AveragingConfig:
             "help": "also average the peers' parameters every N epochs (0: never). The all-reduce hands every peer "
             "the same average, so peers on the same kind of device stay bitwise equal; peers whose optimizers round "
             "differently (CPU and GPU in one stage) drift apart without it"
+        },
+    )
+    param_average_codec: str = field(
+        default="none",
+        metadata={
+            "help": "codec of --param-average-every's parameter averaging (none: exact; the peers take the average as "
+            "their parameters, so a lossy codec's error lands in the weights)",
+            "choices": list(WHOLE_TENSOR_CODECS),
+        },
+    )
+    state_codec: str = field(
+        default="none",
+        metadata={
+            "help": "codec of the stage state a joining peer downloads (none: the joiner starts bitwise equal to its "
+            "source; fp16/blockwise8: fewer bytes, a joiner that differs until the next parameter averaging)",
+            "choices": list(WHOLE_TENSOR_CODECS),
         },
     )
     matchmaking_time: float = field(default=1.0, metadata={"help": "seconds peers gather before an all-reduce"})
@@ -260,6 +279,9 @@ class AveragingConfig:
 
     def __post_init__(self) -> None:
         self.compressed_stages(1)  # validates --allreduce-compress-stages
+        for flag, codec in (("--param-average-codec", self.param_average_codec), ("--state-codec", self.state_codec)):
+            if codec not in WHOLE_TENSOR_CODECS:
+                raise ValueError(f"{flag} must be one of {list(WHOLE_TENSOR_CODECS)}, got {codec!r}")
         if self.allreduce_rank < 1 or self.allreduce_warmup_epochs < 0:
             raise ValueError(
                 f"--allreduce-rank must be >= 1 and --allreduce-warmup-epochs >= 0, got {self.allreduce_rank} and "
@@ -295,11 +317,26 @@ class AveragingConfig:
 
     @property
     def scheme(self) -> str:
-        """What peers averaging together must agree on: for ACP, factors of another rank or another query do not add
-        up (error feedback and warm-up may differ: each peer's residual is its own, and the phase travels anyway)."""
+        """What peers averaging together must agree on: for low-rank codecs, factors of another rank or another query
+        do not add up (error feedback and warm-up may differ: each peer's residual is its own, and the phase travels anyway)."""
         if self.allreduce_codec not in LOW_RANK_CODECS:
             return self.allreduce_codec
         return f"{self.allreduce_codec}-rank{self.allreduce_rank}-reuse{int(self.allreduce_query_reuse)}"
+
+    @property
+    def shared(self) -> dict[str, object]:
+        """The settings every peer of a stage must share (their records carry them: a peer with others is ignored,
+        with a warning naming the difference): the all-reduce's, and the codecs of parameter averaging and state
+        downloads (the exact all-reduce re-encodes the average with its own codec, so peers of two codecs would end
+        a round holding different values)."""
+        names = [k for k in vars(self) if k.startswith("allreduce_")] + ["param_average_codec", "state_codec"]
+        return {k: getattr(self, k) for k in names}
+
+    def policy(self) -> CompressionPolicy:
+        """The compression policy of the stage's averaging (the pipeline's codecs are the trainers')."""
+        return CompressionPolicy(
+            allreduce_gradients=self.wire_codec, parameters=self.param_average_codec, state=self.state_codec
+        )
 
     @property
     def wire_codec(self) -> str:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model_cfg.shared(),
         optimizer=cfg.optimizer,
         epochs={k: getattr(cfg.epochs, k) for k in ("samples_per_step", "lookahead_samples", "delay_optimizer_step")},
-        averaging={k: v for k, v in vars(cfg.averaging).items() if k.startswith("allreduce_")},
+        averaging=cfg.averaging.shared,
     )
     sdht = SwarmDHT.start(
         cfg.network.swarm_name,

@@ -155,6 +155,8 @@ class StageServer:
             tls_cert=self.tls.cert_pem if self.tls else "",
             p2p_id=self.sdht.p2p_id,
             p2p_only=self.p2p_only,
+            allreduce_bytes=self.collab.allreduce_bytes,
+            allreduce_fp32_bytes=self.collab.allreduce_fp32_bytes,
         )
 
     async def check_reachability(self) -> None:

@@ -239,6 +239,11 @@ def test_peers_die_rejoin_and_an_emptied_stage_resumes_from_its_checkpoint(tmp_p
             180,
             "training with both peers back",
         )
+        wait_for(  # the peers' records carry what their all-reduces sent, next to the fp32 equivalent
+            lambda: all(0 < sent < fp32 for sent, fp32 in swarm.trainer_stats()[0]["allreduce_bytes_per_stage"]),
+            60,
+            "the trainer to see every stage's all-reduce bytes",
+        )
 
         # 3. stage 1 loses every peer (SIGTERM: each saves its checkpoint); trainers wait, then resume on a restart
         swarm.stop(["server-s1-r0-again", "server-s1-r1"])

@@ -4,7 +4,7 @@ low-rank gradients, error feedback's bookkeeping, rounds that fail, and garbage 
 import pytest
 import torch
 
-from server.collab.lowrank import PHASE_P, PHASE_Q, AcpState, Layout
+from server.collab.lowrank import PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q, AcpState, Layout, PowerSgdState
 from server.config import AveragingConfig
 
 
@@ -181,3 +181,113 @@ def test_the_residual_keeps_its_mass_when_the_peers_share_of_the_batch_changes()
         acp.commit(rnd, rnd.factors, had_samples=True)
         true_sum += weight * g
     assert torch.allclose(sent_sum + acp.errors[0], true_sum, rtol=1e-4, atol=1e-3)
+
+
+def power_sgd_epoch(
+    state: PowerSgdState | list[PowerSgdState],
+    grads_of_peers: list[list[torch.Tensor]],
+    weights: list[float],
+    epoch: int,
+):
+    """One PowerSGD epoch of several peers in one process: each round's average is the weighted mean of the peers'
+    factors, as the stage's all-reduce computes it. Returns what the epoch hands every peer (the states are the
+    peers'; each peer's second factors come from the same averaged P)."""
+    states = state if isinstance(state, list) else [state]
+    total = sum(weights)
+    firsts = [s.first(g, epoch, w) for s, g, w in zip(states, grads_of_peers, weights, strict=True)]
+    mean_p = [
+        sum(w * r.factors[k] for r, w in zip(firsts, weights, strict=True)) / total
+        for k in range(len(firsts[0].factors))
+    ]
+    seconds = [s.second(r, mean_p) for s, r in zip(states, firsts, strict=True)]
+    mean_q = [
+        sum(w * r.factors[k] for r, w in zip(seconds, weights, strict=True)) / total
+        for k in range(len(seconds[0].factors))
+    ]
+    shapes = [g.shape for g in grads_of_peers[0]]
+    return [s.finish(r, mean_q, shapes, had_samples=True) for s, r in zip(states, seconds, strict=True)]
+
+
+def test_power_sgd_reconstructs_a_low_rank_gradient_in_one_epoch_and_sends_both_factors():
+    """PowerSGD's P round spans M's columns at once (a random query of rank >= M's), and its Q round then recovers
+    M exactly: one epoch, unlike ACP's two. Its rounds send P with the whole tensors, then Q alone."""
+    m = low_rank(48, 40, 3, seed=0)
+    state = PowerSgdState(Layout.of([m.shape], rank=4), seed=1)
+    out = power_sgd_epoch(state, [[m]], [1.0], 0)[0][0]
+    assert torch.allclose(out, m, atol=1e-4), (out - m).abs().max()
+    assert state.errors[0].abs().max() < 1e-4
+    shapes = [torch.Size((64, 32)), torch.Size((64,))]
+    layout = Layout.of(shapes, rank=4)
+    assert layout.sent_numel(PHASE_PSGD_P, shapes) == 64 * 4 + 64
+    assert layout.sent_numel(PHASE_PSGD_Q, shapes) == 32 * 4
+
+
+def test_power_sgd_of_several_peers_averages_their_gradients_and_keeps_them_in_step():
+    """Two peers (weights 1 and 3): the epoch hands both the same values, the projection of the weighted mean
+    gradient onto the averaged P's span, and with a mean of rank <= r that is the mean itself. Each peer's residual
+    is what its own share missed; what was sent plus the residuals is what was computed."""
+    shapes = [torch.Size((30, 20))]
+    u = torch.randn(30, 2, generator=torch.Generator().manual_seed(7))  # both peers' gradients share a 2-d column span
+    grads = [[u @ torch.randn(2, 20, generator=torch.Generator().manual_seed(s))] for s in (8, 9)]
+    weights = [1.0, 3.0]
+    states = [PowerSgdState(Layout.of(shapes, rank=2), seed=1) for _ in weights]
+    outs = power_sgd_epoch(states, grads, weights, 0)
+    mean = (grads[0][0] + 3 * grads[1][0]) / 4
+    assert torch.equal(outs[0][0], outs[1][0]), "the peers hold different averages"
+    assert torch.allclose(outs[0][0], mean, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(states[0].shared_tensors(), states[1].shared_tensors(), strict=True))
+    # a full-rank pair of gradients: each residual is its own miss, weighted by its samples
+    grads = [[torch.randn(30, 20, generator=torch.Generator().manual_seed(s))] for s in (10, 11)]
+    before = [s.errors[0].clone() for s in states]
+    sent = power_sgd_epoch(states, grads, weights, 1)[0][0]
+    computed = sum(w * (g[0] + e / w) for w, g, e in zip(weights, grads, before, strict=True))
+    residuals = sum(s.errors[0] for s in states)
+    assert torch.allclose(4 * sent + residuals, computed, atol=1e-4)
+
+
+def test_power_sgd_error_feedback_tracks_the_sum_of_true_gradients():
+    """As ACP's test: rank 2 of full-rank, slowly changing gradients; the residual levels off with error feedback,
+    and the sums' gap shrinks; without it, it does not."""
+    gen = torch.Generator().manual_seed(2)
+    base, shapes = torch.randn(32, 24, generator=gen), [torch.Size((32, 24))]
+    gaps = {}
+    for ef in (True, False):
+        state = PowerSgdState(Layout.of(shapes, rank=2), seed=3, error_feedback=ef)
+        true_sum, sent_sum = torch.zeros(32, 24), torch.zeros(32, 24)
+        for t in range(200):
+            g = base + 0.3 * torch.randn(32, 24, generator=torch.Generator().manual_seed(100 + t))
+            true_sum += g
+            sent_sum += power_sgd_epoch(state, [[g]], [1.0], t)[0][0]
+        gaps[ef] = (true_sum - sent_sum).norm().item() / true_sum.norm().item()
+        if ef:
+            assert torch.allclose(sent_sum + state.errors[0], true_sum, rtol=1e-4, atol=1e-2)
+    assert gaps[True] < 0.1 and gaps[False] > 0.5, gaps
+
+
+def test_a_power_sgd_epoch_that_fails_in_either_round_commits_nothing():
+    m = torch.randn(20, 16, generator=torch.Generator().manual_seed(4))
+    state = PowerSgdState(Layout.of([m.shape], rank=2), seed=5)
+    power_sgd_epoch(state, [[m]], [1.0], 0)
+    before = [t.clone() for t in (*state.p, *state.q, *state.errors)]
+    rnd = state.first([3 * m], 1)  # the P round failed: never continued
+    state.second(rnd, rnd.factors)  # the Q round failed: never finished
+    assert all(torch.equal(a, b) for a, b in zip(before, (*state.p, *state.q, *state.errors), strict=True))
+
+
+def test_peers_of_another_averaging_policy_differ_in_their_records_settings():
+    """What peers of a stage must share travels in their records: another low-rank scheme, rank, parameter-averaging
+    codec or state codec is named in the warning that makes a peer ignore the other (dht/node.py)."""
+    from dht.records import differences, settings
+
+    ours = settings(averaging=AveragingConfig().shared)
+    for change, named in (
+        ({"allreduce_codec": "powersgd"}, "averaging.allreduce_codec: 'powersgd' (ours 'blockwise8')"),
+        ({"allreduce_rank": 8}, "averaging.allreduce_rank: 8 (ours 4)"),
+        ({"param_average_codec": "fp16"}, "averaging.param_average_codec: 'fp16' (ours 'none')"),
+        ({"state_codec": "blockwise8"}, "averaging.state_codec: 'blockwise8' (ours 'none')"),
+    ):
+        assert differences(ours, settings(averaging=AveragingConfig(**change).shared)) == [named]
+    policy = AveragingConfig(allreduce_codec="powersgd", param_average_codec="fp16").policy()
+    assert (policy.allreduce_gradients, policy.parameters, policy.state) == ("fp16", "fp16", "none")
+    with pytest.raises(ValueError, match="--state-codec"):
+        AveragingConfig(state_codec="acp")

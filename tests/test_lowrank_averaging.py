@@ -91,3 +91,45 @@ async def test_two_stage_peers_average_acp_factors_for_real():
         ]:
             with pytest.raises(ValueError):
                 b.collab.averaging.state.split_state(bad_meta, bad_tensors)
+
+
+async def test_two_stage_peers_average_power_sgd_factors_for_real():
+    """PowerSGD: one epoch is two real rounds (P with the whole tensors, then Q alone); both peers end it with the
+    same values, and gradients whose weighted mean has rank <= r arrive whole after that one epoch."""
+    async with stage_servers() as (peers, servers):
+        for _ in range(2):
+            servers.append(
+                await start_server(peers, allreduce_codec="powersgd", allreduce_rank=2, allreduce_warmup_epochs=0)
+            )
+        a, b = servers
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+            30,
+            "the two peers to find each other",
+        )
+        state = a.collab.averaging.gradients.acp
+        shapes = [p.shape for p in a.worker.params]
+        gen = torch.Generator().manual_seed(0)
+        basis = {
+            i: torch.randn(n, 2, generator=gen)
+            for i, (n, _, _) in zip(state.layout.matrices, state.layout.dims, strict=False)
+        }
+        grads = [gradients(shapes, basis, seed) for seed in (1, 2)]
+        mean = [(1 * ga + 3 * gb) / 4 for ga, gb in zip(*grads, strict=True)]
+        results = await asyncio.gather(
+            *(
+                asyncio.to_thread(s.collab.averaging.gradients.average, g, n, "test epoch 0", 0)
+                for s, g, n in zip(servers, grads, (1, 3), strict=True)
+            )
+        )
+        assert all(r is not None for r in results), "the epoch failed"
+        for x, y in zip(*results, strict=True):
+            assert torch.equal(x, y), "the peers hold different averages"
+        for i in range(len(shapes)):
+            gap = (results[0][i] - mean[i]).norm() / mean[i].norm()
+            assert gap < 3e-2, f"tensor {i}: not the weighted mean after one epoch ({gap})"
+        gradient_averaging = a.collab.averaging.gradients
+        assert gradient_averaging.rounds_ok == 2, "one PowerSGD epoch is two rounds"
+        assert gradient_averaging.bytes < gradient_averaging.fp32_bytes / 4, "sent no fewer bytes than 8-bit whole"
+        shared = [s.collab.averaging.gradients.acp.shared_tensors() for s in servers]
+        assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"

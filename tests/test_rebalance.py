@@ -209,8 +209,14 @@ def test_records_validate_load_fields():
         ("config", {"k": "v" * 65}),
         ("config", {str(i): i for i in range(65)}),
         ("config", {5: 5}),
+        ("allreduce_bytes", -1),
+        ("allreduce_bytes", 2**62),
+        ("allreduce_bytes", 1.5),
+        ("allreduce_fp32_bytes", "9"),
+        ("allreduce_fp32_bytes", math.inf),
     ):
         assert ServerRecord.from_dict({**good, field: bad}) is None, (field, bad)
+    assert ServerRecord.from_dict({**good, "allreduce_bytes": 5, "allreduce_fp32_bytes": 20}).allreduce_bytes == 5
 
 
 def test_the_stage_record_validator_keeps_only_owned_well_formed_records_of_the_stage():

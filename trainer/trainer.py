@@ -257,7 +257,7 @@ class Trainer:
                 s = self.snapshot()
                 logger.info(
                     "step %d | loss %.3f | %.1f samples/s | peers %s | versions %s | wire %.1f MB (%.2fx less "
-                    "than fp32) | lost %d",
+                    "than fp32) | all-reduce %s MB (%.1fx less) | lost %d",
                     s["steps"],
                     s["recent_loss"] or float("nan"),
                     s["samples_per_second"],
@@ -265,6 +265,9 @@ class Trainer:
                     "/".join(map(str, self.versions)),
                     s["wire_bytes"] / 1e6,
                     s["fp32_bytes"] / max(s["wire_bytes"], 1),
+                    "/".join(f"{b / 1e6:.1f}" for b, _ in s["allreduce_bytes_per_stage"]),
+                    sum(f for _, f in s["allreduce_bytes_per_stage"])
+                    / max(sum(b for b, _ in s["allreduce_bytes_per_stage"]), 1),
                     s["lost_microbatches"],
                 )
 
@@ -288,6 +291,14 @@ class Trainer:
                 for s in range(self.n_stages)
             ],
             "param_versions": list(self.versions),
+            # (sent, fp32 equivalent) of each stage's all-reduces so far, summed over the peers its records list
+            "allreduce_bytes_per_stage": [
+                (
+                    sum(r.allreduce_bytes for r in self.records[stage].values()),
+                    sum(r.allreduce_fp32_bytes for r in self.records[stage].values()),
+                )
+                for stage in range(self.n_stages)
+            ],
             **wire,
         }
 

@@ -23,7 +23,17 @@ from hivemind.utils import get_dht_time
 from dht.node import SwarmDHT
 from dht.records import stage_key
 from server.collab.hivemind_compat import StrictAverager, start_in_background
-from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_Q, AcpState, Layout
+from server.collab.lowrank import (
+    PHASE_FULL,
+    PHASE_P,
+    PHASE_PSGD_P,
+    PHASE_PSGD_Q,
+    PHASE_Q,
+    AcpState,
+    Layout,
+    LowRankState,
+    PowerSgdState,
+)
 from server.config import AveragingConfig
 from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
@@ -50,10 +60,10 @@ class StageAverager(StrictAverager):
 
     Every round gathers (epoch, phase, scheme) from each peer of its group, and runs only if they all agree: a group
     that met across epochs, or across averaging settings, fails before sending anything. The phase says what is
-    averaged: the gradients whole, or with ACP-SGD (`acp`) the P or Q factors of the low-rank tensors and the rest
-    whole."""
+    averaged: the gradients whole; with ACP-SGD the P or Q factors of the low-rank tensors and the rest whole; with
+    PowerSGD the P factors and the rest whole, then the Q factors alone."""
 
-    def __init__(self, worker: StageWorker, acp: AcpState | None = None, **kwargs):
+    def __init__(self, worker: StageWorker, acp: LowRankState | None = None, **kwargs):
         self._worker, self.acp = worker, acp  # before super().__init__: the state thread may ask at once
         # shared memory, allocated before the averager's process forks: the round's factors travel through these
         self.factors = {
@@ -86,9 +96,11 @@ class StageAverager(StrictAverager):
         phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
         if phase == PHASE_FULL:
             return local
-        if self.acp is None or phase not in self.factors:
+        if self.acp is None or phase not in (PHASE_P, PHASE_Q, PHASE_PSGD_P, PHASE_PSGD_Q):
             raise ValueError(f"a round of phase {phase!r} on an averager without low-rank factors")
-        return [*self.factors[phase], *(local[i] for i in self.acp.layout.whole)]
+        if phase == PHASE_PSGD_Q:  # PowerSGD's second round: the tensors kept whole went in its first
+            return list(self.factors[PHASE_Q])
+        return [*self.factors[PHASE_P if phase == PHASE_PSGD_P else phase], *(local[i] for i in self.acp.layout.whole)]
 
 
 class GradientAveraging:
@@ -220,12 +232,13 @@ class GradientAveraging:
 
 
 class LowRankGradientAveraging(GradientAveraging):
-    """ACP-SGD (see server/collab/lowrank.py): after --allreduce-warmup-epochs of whole gradients, each round averages
-    one factor of each low-rank tensor. A failed round changes neither the factors nor the error feedback."""
+    """Low-rank averaging (see server/collab/lowrank.py): after --allreduce-warmup-epochs of whole gradients, each
+    epoch averages one factor of each low-rank tensor (ACP-SGD) or both in two rounds (PowerSGD). A failed round
+    changes neither the factors nor the error feedback."""
 
-    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec, acp: AcpState):
+    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec, state: LowRankState):
         super().__init__(averager, cfg, codec)
-        self.acp = acp
+        self.acp = state
 
     def average(
         self,
@@ -241,28 +254,69 @@ class LowRankGradientAveraging(GradientAveraging):
         waits = (finished_without_us, retry_grace, nobody_left, group_size)
         if round_tag < self.cfg.allreduce_warmup_epochs:
             return super().average(grads, n_samples, label, round_tag, *waits)
+        if isinstance(self.acp, PowerSgdState):
+            return self._power_sgd(self.acp, grads, n_samples, label, round_tag, waits)
+        assert isinstance(self.acp, AcpState)
         layout, shapes = self.acp.layout, [g.shape for g in grads]
         rnd = self.acp.compress(grads, round_tag, float(n_samples))
-        factors = self.averager.factors[rnd.phase]
-
-        def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, f in zip(factors, rnd.factors, strict=True):
-                buf.copy_(f)
-            for i in layout.whole:
-                buffers[i].copy_(grads[i])
-
-        numel = (layout.sent_numel(rnd.phase, shapes), sum(g.numel() for g in grads))
-        gather = [round_tag, rnd.phase, self.cfg.scheme]
-        if not self._run(fill, n_samples, label, gather, numel, *waits):
+        averaged = self._factors_round(rnd.phase, rnd.factors, grads, n_samples, label, round_tag, waits)
+        if averaged is None:
             return None
-        with self.averager.get_tensors() as buffers:
-            averaged_factors = [f.clone() for f in factors]
-            whole = {i: buffers[i].clone() for i in layout.whole}
-        if not self._finite([*averaged_factors, *whole.values()], label):
-            return None
+        averaged_factors, whole = averaged
         low_rank = dict(zip(layout.matrices, self.acp.decompress(rnd, averaged_factors, shapes), strict=True))
         self.acp.commit(rnd, averaged_factors, had_samples=n_samples > 0)
         return [whole[i] if i in whole else low_rank[i] for i in range(len(grads))]
+
+    def _power_sgd(
+        self, state: PowerSgdState, grads: list[torch.Tensor], n_samples: int, label: str, round_tag: int, waits: tuple
+    ) -> list[torch.Tensor] | None:
+        """Both rounds of a PowerSGD epoch; either failing fails the epoch and commits nothing."""
+        rnd = state.first(grads, round_tag, float(n_samples))
+        first = self._factors_round(PHASE_PSGD_P, rnd.factors, grads, n_samples, label, round_tag, waits)
+        if first is None:
+            return None
+        averaged_p, whole = first
+        rnd = state.second(rnd, averaged_p)
+        second = self._factors_round(PHASE_PSGD_Q, rnd.factors, grads, n_samples, label, round_tag, waits)
+        if second is None:
+            return None
+        shapes = [g.shape for g in grads]
+        low_rank = dict(zip(state.layout.matrices, state.finish(rnd, second[0], shapes, n_samples > 0), strict=True))
+        return [whole[i] if i in whole else low_rank[i] for i in range(len(grads))]
+
+    def _factors_round(
+        self,
+        phase: str,
+        factors: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        n_samples: int,
+        label: str,
+        round_tag: int,
+        waits: tuple,
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
+        """One round of `phase`: our factors (and the whole tensors, unless PowerSGD's second round) averaged with the
+        group; (averaged factors, {index: averaged whole tensor}), or None if the round failed."""
+        layout, shapes = self.acp.layout, [g.shape for g in grads]
+        with_whole = phase != PHASE_PSGD_Q
+        buffers_of_factors = self.averager.factors[PHASE_P if phase in (PHASE_P, PHASE_PSGD_P) else PHASE_Q]
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, f in zip(buffers_of_factors, factors, strict=True):
+                buf.copy_(f)
+            if with_whole:
+                for i in layout.whole:
+                    buffers[i].copy_(grads[i])
+
+        numel = (layout.sent_numel(phase, shapes), sum(g.numel() for g in grads) if with_whole else 0)
+        gather = [round_tag, phase, self.cfg.scheme]
+        if not self._run(fill, n_samples, label, gather, numel, *waits):
+            return None
+        with self.averager.get_tensors() as buffers:
+            averaged_factors = [f.clone() for f in buffers_of_factors]
+            whole = {i: buffers[i].clone() for i in layout.whole} if with_whole else {}
+        if not self._finite([*averaged_factors, *whole.values()], label):
+            return None
+        return averaged_factors, whole
 
 
 class ParameterAveraging:
@@ -356,10 +410,11 @@ def build_averaging(
         next_chunk_timeout=cfg.averaging_timeout,
     )
     grad_codec = policy.codec(TensorRole.ALLREDUCE_GRADIENTS)
-    acp = None
-    if cfg.allreduce_codec == "acp":  # every peer of the stage starts from the same factors
+    acp: LowRankState | None = None
+    if cfg.allreduce_codec in ("acp", "powersgd"):  # every peer of the stage starts from the same factors
         layout = Layout.of([p.shape for p in worker.params], cfg.allreduce_rank)
-        acp = AcpState(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
+        kind = AcpState if cfg.allreduce_codec == "acp" else PowerSgdState
+        acp = kind(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
     averager = StageAverager(
         worker,
         acp,

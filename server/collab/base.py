@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from server.collab.lowrank import AcpState
+from server.collab.lowrank import LowRankState
 from server.collab.tickets import Ticket
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy
@@ -48,7 +48,7 @@ class Collaboration(Protocol):
         ...
 
     @property
-    def acp(self) -> AcpState | None:
+    def acp(self) -> LowRankState | None:
         """The stage's ACP-SGD state, if it averages low-rank."""
         ...
 

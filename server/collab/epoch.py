@@ -35,13 +35,13 @@ from dht.reads import ThrottledRead
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import build_averaging
 from server.collab.hivemind_compat import check_version
-from server.collab.lowrank import AcpState
+from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
 from server.collab.tickets import Ticket, Tickets
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
-from swarm.compression import CompressionPolicy, get_codec
+from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class StageCollaboration:
         self.worker, self.sdht, self.stage = worker, sdht, stage
         averaging = averaging.for_stage(stage, worker.stage.cfg.n_stages)
         self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
-        self.policy = CompressionPolicy(allreduce_gradients=averaging.wire_codec)
+        self.policy = averaging.policy()
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
@@ -152,7 +152,7 @@ class StageCollaboration:
         return self.recovery.downloads
 
     @property
-    def acp(self) -> AcpState | None:
+    def acp(self) -> LowRankState | None:
         return self.averaging.state.acp
 
     @property

@@ -1,5 +1,6 @@
-"""ACP-SGD (Zhang et al., Algorithms 1-2): a stage's gradients averaged as low-rank factors, P at one epoch and Q at
-the next, with query reuse and error feedback.
+"""Low-rank stage averaging with error feedback: ACP-SGD (Zhang et al., Algorithms 1-2), one factor per epoch, P at
+one epoch and Q at the next, with query reuse; and PowerSGD (Vogels et al., the algorithm ACP-SGD halves), both
+factors every epoch in two all-reduces.
 
 Each matrix-shaped gradient M (n x m after flattening the trailing dimensions) is sent as one factor per epoch: at an
 even epoch P = (M + E) Q with Q = orth(the Q of the last round), at an odd epoch Q = (M + E)^T P with P = orth(the P
@@ -13,6 +14,11 @@ Vectors, and matrices whose factors would not be smaller, travel whole. The stat
 share (the last P and Q of each matrix) is part of the stage state a joiner downloads; the error-feedback buffers are
 each peer's own residual and are not (a joiner copying them would send its source's residual a second time). A round
 that fails commits nothing: the next attempt starts from the same state.
+
+PowerSGD runs a whole power iteration per epoch: P_i = (M_i + E_i) Q with Q = orth(the last Q), all-reduced; P^ =
+orth(mean P), the same on every peer because every peer holds the same mean; Q_i = (M_i + E_i)^T P^, all-reduced;
+the average is P^ (mean Q)^T and the error E_i = M_i + E_i - P^ Q_i^T. Twice ACP's values and rounds per epoch, in
+exchange for an approximation of this epoch's gradient alone rather than of two epochs' running subspace.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-PHASE_FULL, PHASE_P, PHASE_Q = "full", "p", "q"
+PHASE_FULL, PHASE_P, PHASE_Q = "full", "p", "q"  # a round of whole gradients, of ACP's P factors, of its Q factors
+PHASE_PSGD_P, PHASE_PSGD_Q = "psgd-p", "psgd-q"  # PowerSGD's two rounds of one epoch (the tensors kept whole go first)
 
 
 def orthogonalize(x: torch.Tensor) -> torch.Tensor:
@@ -63,16 +70,18 @@ class Layout:
         return cls(tuple(matrices), tuple(dims), tuple(whole))
 
     def factor_shapes(self, phase: str) -> list[tuple[int, int]]:
-        return [(n, r) if phase == PHASE_P else (m, r) for n, m, r in self.dims]
+        return [(n, r) if phase in (PHASE_P, PHASE_PSGD_P) else (m, r) for n, m, r in self.dims]
 
     def sent_numel(self, phase: str, shapes: list[torch.Size]) -> int:
-        """Values one peer hands the all-reduce in a low-rank round of `phase`: the factors and the whole tensors."""
-        return sum(math.prod(shapes[i]) for i in self.whole) + sum(a * b for a, b in self.factor_shapes(phase))
+        """Values one peer hands the all-reduce in a low-rank round of `phase`: the factors, and the whole tensors
+        (in every round but PowerSGD's second)."""
+        whole = 0 if phase == PHASE_PSGD_Q else sum(math.prod(shapes[i]) for i in self.whole)
+        return whole + sum(a * b for a, b in self.factor_shapes(phase))
 
 
-class AcpState:
-    """One peer's ACP-SGD state for a stage: the shared factors (the same on every peer) and its own error feedback.
-    Compute thread or averaging pool, one round at a time."""
+class LowRankState:
+    """One peer's low-rank averaging state for a stage: the shared factors (the same on every peer) and its own error
+    feedback. Compute thread or averaging pool, one round at a time."""
 
     def __init__(self, layout: Layout, seed: int, error_feedback: bool = True, reuse: bool = True):
         self.layout, self.seed, self.error_feedback, self.reuse = layout, seed, error_feedback, reuse
@@ -93,46 +102,19 @@ class AcpState:
             previous = [torch.randn(*shape, generator=gen) for shape in self.layout.factor_shapes(other)]
         return [orthogonalize(x) for x in previous]
 
-    def compress(self, grads: list[torch.Tensor], epoch: int, weight: float = 1.0) -> Round:
-        """This peer's factors for the round of `epoch` (P at even epochs, Q at odd ones), for mean gradients over
-        `weight` samples (the peer's weight in the round); changes no state.
-
-        The residual is kept as a sum over samples (weight x what the factors missed), so that it re-enters the
-        stage's average with the mass it left out, whatever this peer's share of the next global batch: the samples
-        a peer contributes to consecutive epochs differ (8, then 24, of 32)."""
-        phase = PHASE_P if epoch % 2 == 0 else PHASE_Q
-        queries = self._query(phase, epoch)
-        factors, errors = [], []
+    def targets(self, grads: list[torch.Tensor], weight: float) -> list[torch.Tensor]:
+        """What each low-rank tensor's factors approximate: its mean gradient over `weight` samples plus, with error
+        feedback, the residual per sample (kept as a sum over samples, so that it re-enters the stage's average with
+        the mass it left out whatever this peer's share of the next global batch: the samples a peer contributes to
+        consecutive epochs differ, 8 then 24 of 32)."""
+        out = []
         for k, i in enumerate(self.layout.matrices):
             n, m, _ = self.layout.dims[k]
             target = grads[i].detach().reshape(n, m).float().cpu()
             if self.error_feedback and weight > 0:
                 target = target + self.errors[k] / weight
-            query = queries[k]
-            factor = target @ query if phase == PHASE_P else target.T @ query
-            local = factor @ query.T if phase == PHASE_P else query @ factor.T
-            factors.append(factor)
-            errors.append((target - local) * weight)
-        return Round(phase, queries, factors, errors)
-
-    def decompress(self, rnd: Round, averaged: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
-        """The averaged low-rank gradients, from the round's averaged factors, in the tensors' shapes."""
-        out = []
-        for k, (factor, query) in enumerate(zip(averaged, rnd.queries, strict=True)):
-            approx = factor @ query.T if rnd.phase == PHASE_P else query @ factor.T
-            out.append(approx.reshape(shapes[self.layout.matrices[k]]))
+            out.append(target)
         return out
-
-    def commit(self, rnd: Round, averaged: list[torch.Tensor], had_samples: bool) -> None:
-        """After a successful round: keep the averaged factor and the query as the next round's factors; keep our
-        residual, unless we sent no samples (a zero weight: our factors did not count, so nothing was sent)."""
-        p, q = list(self.p), list(self.q)
-        for k, (factor, query) in enumerate(zip(averaged, rnd.queries, strict=True)):
-            p[k], q[k] = (factor.clone(), query) if rnd.phase == PHASE_P else (query, factor.clone())
-        with self._lock:  # a joiner's download reads both lists at once
-            self.p, self.q = p, q
-            if self.error_feedback and had_samples:
-                self.errors = rnd.errors
 
     def shared_tensors(self) -> list[torch.Tensor]:
         """Any thread. What a joiner must copy: the last factors, which every peer of the stage holds alike."""
@@ -172,6 +154,94 @@ class AcpState:
         self.load_shared(saved.get("shared", []))
         with self._lock:
             self.errors = [e.float().clone() for e in errors]
+
+
+class AcpState(LowRankState):
+    """ACP-SGD: one round per epoch, of P factors at even epochs and of Q factors at odd ones."""
+
+    def compress(self, grads: list[torch.Tensor], epoch: int, weight: float = 1.0) -> Round:
+        """This peer's factors for the ACP round of `epoch` (P at even epochs, Q at odd ones), for mean gradients
+        over `weight` samples (the peer's weight in the round); changes no state."""
+        phase = PHASE_P if epoch % 2 == 0 else PHASE_Q
+        queries = self._query(phase, epoch)
+        factors, errors = [], []
+        for target, query in zip(self.targets(grads, weight), queries, strict=True):
+            factor = target @ query if phase == PHASE_P else target.T @ query
+            local = factor @ query.T if phase == PHASE_P else query @ factor.T
+            factors.append(factor)
+            errors.append((target - local) * weight)
+        return Round(phase, queries, factors, errors)
+
+    def decompress(self, rnd: Round, averaged: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """The averaged low-rank gradients, from the round's averaged factors, in the tensors' shapes."""
+        out = []
+        for k, (factor, query) in enumerate(zip(averaged, rnd.queries, strict=True)):
+            approx = factor @ query.T if rnd.phase == PHASE_P else query @ factor.T
+            out.append(approx.reshape(shapes[self.layout.matrices[k]]))
+        return out
+
+    def commit(self, rnd: Round, averaged: list[torch.Tensor], had_samples: bool) -> None:
+        """After a successful round: keep the averaged factor and the query as the next round's factors; keep our
+        residual, unless we sent no samples (a zero weight: our factors did not count, so nothing was sent)."""
+        p, q = list(self.p), list(self.q)
+        for k, (factor, query) in enumerate(zip(averaged, rnd.queries, strict=True)):
+            p[k], q[k] = (factor.clone(), query) if rnd.phase == PHASE_P else (query, factor.clone())
+        with self._lock:  # a joiner's download reads both lists at once
+            self.p, self.q = p, q
+            if self.error_feedback and had_samples:
+                self.errors = rnd.errors
+
+
+class PowerSgdState(LowRankState):
+    """One peer's PowerSGD state for a stage: the same factors and residual as ACP-SGD's (so joiners and checkpoints
+    take it alike), two rounds per epoch: `first`, then `second` with the averaged P, then `finish` with the averaged
+    Q; nothing changes before `finish`."""
+
+    def first(self, grads: list[torch.Tensor], epoch: int, weight: float = 1.0) -> PowerRound:
+        """The P factors of the epoch's first round: the targets times the last Q (orthonormalized), or a fresh
+        random query without reuse."""
+        queries = self._query(PHASE_P, epoch)
+        targets = self.targets(grads, weight)
+        factors = [target @ query for target, query in zip(targets, queries, strict=True)]
+        return PowerRound(targets, weight, factors)
+
+    def second(self, rnd: PowerRound, averaged_p: list[torch.Tensor]) -> PowerRound:
+        """The Q factors of the epoch's second round, from the first round's average: every peer orthonormalizes the
+        same averaged P, so every peer multiplies by the same P^ and the Q round stays additive."""
+        p_hat = [orthogonalize(p) for p in averaged_p]
+        factors = [target.T @ p for target, p in zip(rnd.targets, p_hat, strict=True)]
+        return PowerRound(rnd.targets, rnd.weight, factors, p_hat)
+
+    def finish(
+        self, rnd: PowerRound, averaged_q: list[torch.Tensor], shapes: list[torch.Size], had_samples: bool
+    ) -> list[torch.Tensor]:
+        """After both rounds succeeded: the averaged low-rank gradients P^ (mean Q)^T in the tensors' shapes. P^ and
+        the averaged Q are the next epoch's factors (its query is this Q), and our residual is what P^ Q_i^T (our
+        own Q_i) missed, as a sum over our samples."""
+        assert rnd.p_hat is not None, "finish a PowerSGD epoch after its second round"
+        errors = [
+            (target - p @ q.T) * rnd.weight
+            for target, p, q in zip(rnd.targets, rnd.p_hat, rnd.factors, strict=True)  # fmt: skip
+        ]
+        with self._lock:
+            self.p, self.q = list(rnd.p_hat), [q.clone() for q in averaged_q]
+            if self.error_feedback and had_samples:
+                self.errors = errors
+        return [
+            (p @ q.T).reshape(shapes[i])
+            for p, q, i in zip(rnd.p_hat, averaged_q, self.layout.matrices, strict=True)  # fmt: skip
+        ]
+
+
+@dataclass
+class PowerRound:
+    """One PowerSGD epoch in progress: the targets it approximates, this peer's factors for the round at hand (P_i,
+    then Q_i), and once the first round is averaged, P^."""
+
+    targets: list[torch.Tensor]
+    weight: float
+    factors: list[torch.Tensor]
+    p_hat: list[torch.Tensor] | None = None
 
 
 @dataclass

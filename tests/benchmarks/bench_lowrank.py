@@ -1,11 +1,12 @@
-"""ACP-SGD's quality and bytes without a swarm: one process trains the model with its gradients replaced by what ACP
-would average (server/collab/lowrank.py, the same code the servers run), against the whole gradients.
+"""Low-rank averaging's quality and bytes without a swarm: one process trains the model with its gradients replaced by
+what ACP-SGD or PowerSGD would average (server/collab/lowrank.py, the same code the servers run), against the whole
+gradients.
 
 A stage group of one peer averages its own factors, so this isolates the algorithm (rank, error feedback, query reuse,
 warm-up) from the swarm (staleness, the 8-bit wire, failed rounds); bench_quality measures ACP in the swarm. Same
 optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), same global batch (32), held-out = the last 10% of the
 built-in corpus. Bytes per round are the layout's: values sent in fp16 (what the servers send) against fp32 whole
-gradients, averaged over the P and Q rounds.
+gradients per epoch (ACP: one factor per epoch, averaged over P and Q epochs; PowerSGD: both factors every epoch).
 
     python -m tests.benchmarks.bench_lowrank [--quick] [--steps 300] [--d-model 512] [--ranks 4,16]
 """
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from server.collab.lowrank import PHASE_P, PHASE_Q, AcpState, Layout
+from server.collab.lowrank import PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q, AcpState, Layout, PowerSgdState
 from swarm.config import model_config
 from swarm.model import GPT
 from tests.benchmarks import common
@@ -33,16 +34,16 @@ def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> t
 
 
 def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> float:
-    """Held-out loss after `steps` steps; `acp`: AcpState keyword arguments (rank, error_feedback, reuse), or None
-    for whole gradients."""
+    """Held-out loss after `steps` steps; `acp`: the low-rank state's keyword arguments (kind: "acp" or "powersgd",
+    rank, error_feedback, reuse), or None for whole gradients."""
     torch.manual_seed(0)
     model = GPT(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    state = None
+    state: AcpState | PowerSgdState | None = None
     if acp is not None:
-        rank = acp.pop("rank")
-        state = AcpState(Layout.of([p.shape for p in params], rank), seed=1, **acp)
+        rank, kind = acp.pop("rank"), acp.pop("kind", "acp")
+        state = (AcpState if kind == "acp" else PowerSgdState)(Layout.of([p.shape for p in params], rank), 1, **acp)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         loss = model(*windows(data, BATCH, cfg.max_seq_len, gen))
@@ -50,9 +51,15 @@ def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> floa
         loss.backward()
         if state is not None and step >= warmup:
             grads = [p.grad for p in params]
-            rnd = state.compress(grads, step, float(BATCH))
-            approx = state.decompress(rnd, rnd.factors, [g.shape for g in grads])
-            state.commit(rnd, rnd.factors, had_samples=True)
+            shapes = [g.shape for g in grads]
+            if isinstance(state, AcpState):
+                rnd = state.compress(grads, step, float(BATCH))
+                approx = state.decompress(rnd, rnd.factors, shapes)
+                state.commit(rnd, rnd.factors, had_samples=True)
+            else:
+                first = state.first(grads, step, float(BATCH))
+                second = state.second(first, first.factors)
+                approx = state.finish(second, second.factors, shapes, had_samples=True)
             for i, a in zip(state.layout.matrices, approx, strict=True):
                 params[i].grad = a
         torch.nn.utils.clip_grad_norm_(params, CLIP)
@@ -61,11 +68,15 @@ def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> floa
         return model(*heldout).item()
 
 
-def bytes_ratio(cfg, rank: int) -> float:
-    """fp32 whole-gradient bytes over ACP's fp16 bytes per round, for the whole model, P and Q rounds averaged."""
+def bytes_ratio(cfg, rank: int, kind: str = "acp") -> float:
+    """fp32 whole-gradient bytes over the fp16 bytes sent per epoch, for the whole model: ACP's P and Q epochs
+    averaged, or PowerSGD's two rounds of one epoch."""
     shapes = [p.shape for p in GPT(cfg).parameters() if p.requires_grad]
     layout = Layout.of(shapes, rank)
-    sent = sum(layout.sent_numel(phase, shapes) for phase in (PHASE_P, PHASE_Q)) / 2
+    if kind == "acp":
+        sent = sum(layout.sent_numel(phase, shapes) for phase in (PHASE_P, PHASE_Q)) / 2
+    else:
+        sent = sum(layout.sent_numel(phase, shapes) for phase in (PHASE_PSGD_P, PHASE_PSGD_Q))
     return 4 * sum(s.numel() for s in shapes) / (2 * sent)
 
 
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=None, help="model width (default: the local_debug preset's)")
     p.add_argument("--ranks", default=None, help="comma-separated ranks (default 4,16,32; --quick 4)")
     p.add_argument("--warmup", type=int, default=10, help="whole-gradient steps first (swarm-server's default)")
+    p.add_argument("--kinds", default="acp,powersgd", help="low-rank schemes to run at each rank (acp, powersgd)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
     torch.set_num_threads(1)
@@ -88,18 +100,17 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, tuple[dict | None, float]] = {"whole gradients": (None, 1.0)}
     for rank in ranks:
-        ratio = bytes_ratio(cfg, rank)
-        runs[f"acp rank {rank}"] = ({"rank": rank}, ratio)
+        for kind in args.kinds.split(","):
+            runs[f"{kind} rank {rank}"] = ({"kind": kind, "rank": rank}, bytes_ratio(cfg, rank, kind))
     ablate = ranks[0]
-    runs[f"acp rank {ablate} without error feedback"] = (
-        {"rank": ablate, "error_feedback": False},
-        runs[f"acp rank {ablate}"][1],
-    )
-    if not args.quick:
-        runs[f"acp rank {ablate} without query reuse"] = (
-            {"rank": ablate, "reuse": False},
-            runs[f"acp rank {ablate}"][1],
+    for kind in args.kinds.split(","):
+        full = f"{kind} rank {ablate}"
+        runs[f"{full} without error feedback"] = (
+            {"kind": kind, "rank": ablate, "error_feedback": False},
+            runs[full][1],
         )
+        if not args.quick:
+            runs[f"{full} without query reuse"] = ({"kind": kind, "rank": ablate, "reuse": False}, runs[full][1])
 
     results = []
     for name, (acp, ratio) in runs.items():
@@ -109,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"config": name, "heldout": loss, "fp32_over_sent": ratio})
     whole = results[0]["heldout"]
     common.table(
-        f"ACP in one process: held-out loss after {steps} steps (d_model {cfg.d_model}, warm-up {args.warmup})",
-        ["configuration", "held-out loss", "vs whole", "all-reduce bytes: fp32 / sent per round"],
+        f"Low-rank averaging in one process: held-out loss after {steps} steps (d_model {cfg.d_model}, warm-up {args.warmup})",
+        ["configuration", "held-out loss", "vs whole", "all-reduce bytes: fp32 / sent per epoch"],
         [
             [r["config"], f"{r['heldout']:.4f}", f"{r['heldout'] / whole:.3f}", f"{r['fp32_over_sent']:.1f}x"]
             for r in results
