@@ -275,6 +275,14 @@ class AveragingConfig:
             "after --matchmaking-time (--no-early-rounds: always wait it out)"
         },
     )
+    fixed_groups: bool = field(
+        default=False,
+        metadata={
+            "help": "gradient all-reduce groups are the peers the stage knows for the epoch, with no matchmaking "
+            "through the DHT: a round begins when its peers reach it; peers that see the group differently fail the "
+            "round at once and retry"
+        },
+    )
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
 
     def __post_init__(self) -> None:
@@ -329,7 +337,11 @@ class AveragingConfig:
         with a warning naming the difference): the all-reduce's, and the codecs of parameter averaging and state
         downloads (the exact all-reduce re-encodes the average with its own codec, so peers of two codecs would end
         a round holding different values)."""
-        names = [k for k in vars(self) if k.startswith("allreduce_")] + ["param_average_codec", "state_codec"]
+        names = [k for k in vars(self) if k.startswith("allreduce_")] + [
+            "param_average_codec",
+            "state_codec",
+            "fixed_groups",
+        ]
         return {k: getattr(self, k) for k in names}
 
     def policy(self) -> CompressionPolicy:

@@ -3,6 +3,7 @@ numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which 
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -165,6 +166,70 @@ def test_a_stranger_under_the_prefix_never_joins_the_stage_round():
                 assert torch.allclose(got, (a + 2 * b) / 3), got[:3]
     finally:
         for averager in (*peers, stranger):
+            averager.shutdown()
+        for dht in (*dhts, boot):
+            dht.shutdown()
+
+
+def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_group_fails_alone():
+    """Fixed groups (--fixed-groups): three peers told the round's members step 0.6 s apart, with no matchmaking; the
+    first two wait for the last, and all three end with the same weighted mean. Then a and b fix a group of the two
+    of them while c still names all three: a and b average together at once (c's values reach neither), and c's
+    round fails instead of waiting for a group that never forms."""
+    values = [torch.full((5000,), v) for v in (1.0, 4.0, 10.0)]
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
+    common = dict(prefix="avgtest_fixed", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
+    with forking():  # see run_round
+        peers = [
+            StrictAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
+            for v, dht in zip(values, dhts, strict=True)
+        ]
+    ids = [str(p.peer_id) for p in peers]
+    results: list = [None] * 3
+
+    def step(i: int, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            results[i] = peers[i].step(weight=1.0 + i, timeout=8, allow_retries=False)
+        except Exception as e:
+            results[i] = e
+
+    def run(delays: list[float]) -> float:
+        started = time.monotonic()
+        threads = [threading.Thread(target=step, args=(i, d)) for i, d in enumerate(delays)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return time.monotonic() - started
+
+    try:
+        for peer in peers:
+            peer.fix_group([i for i in ids if i != str(peer.peer_id)])
+        run([0.0, 0.6, 1.2])
+        assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+        outs = []
+        for peer in peers:
+            with peer.get_tensors() as (got,):
+                outs.append(got.clone())
+        assert all(torch.equal(o, outs[0]) for o in outs), "peers hold different averages"
+        assert torch.allclose(outs[0], (1 * values[0] + 2 * values[1] + 3 * values[2]) / 6)
+
+        for peer, v in zip(peers, values, strict=True):
+            with peer.get_tensors() as (got,):
+                got.copy_(v)
+        peers[0].fix_group([ids[1]])
+        peers[1].fix_group([ids[0]])  # c still names a, b and itself
+        took = run([0.0, 0.0, 0.0])
+        assert all(isinstance(r, dict) and len(r) == 2 for r in results[:2]), results
+        assert not isinstance(results[2], dict), "c averaged with a group that is not its own"
+        for peer in peers[:2]:
+            with peer.get_tensors() as (got,):
+                assert torch.allclose(got, (1 * values[0] + 2 * values[1]) / 3), got[:3]
+        assert took < 8, f"c's failed round took {took:.1f}s"
+    finally:
+        for averager in peers:
             averager.shutdown()
         for dht in (*dhts, boot):
             dht.shutdown()

@@ -124,6 +124,7 @@ class GradientAveraging:
         retry_grace: float = 0.0,
         nobody_left: Callable[[], bool] = lambda: False,
         group_size: int | None = None,
+        group: Callable[[], list[str] | None] | None = None,
     ) -> list[torch.Tensor] | None:
         """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
         every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
@@ -133,7 +134,9 @@ class GradientAveraging:
         part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
         for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them.
         `group_size`: the peers in the round as the stage knows them, us included; the round begins once that many
-        have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs)."""
+        have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs).
+        `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round (asked again before each
+        attempt): they alone make the group, with no matchmaking (None, or None returned: matchmaking)."""
 
         def fill(buffers: list[torch.Tensor]) -> None:
             for buf, g in zip(buffers, grads, strict=True):
@@ -141,7 +144,7 @@ class GradientAveraging:
 
         numel = sum(g.numel() for g in grads)
         gather = [round_tag, PHASE_FULL, self.cfg.scheme]
-        waits = (finished_without_us, retry_grace, nobody_left, group_size)
+        waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
         if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
             return None
         with self.averager.get_tensors() as buffers:
@@ -159,6 +162,7 @@ class GradientAveraging:
         retry_grace: float,
         nobody_left: Callable[[], bool],
         group_size: int | None = None,
+        group: Callable[[], list[str] | None] | None = None,
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
@@ -172,6 +176,7 @@ class GradientAveraging:
         members = None if self.members is None else self.members()
         self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
         while result is None and not give_up():
+            self.averager.fix_group(group() if group is not None else None)
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(
@@ -250,8 +255,9 @@ class LowRankGradientAveraging(GradientAveraging):
         retry_grace: float = 0.0,
         nobody_left: Callable[[], bool] = lambda: False,
         group_size: int | None = None,
+        group: Callable[[], list[str] | None] | None = None,
     ) -> list[torch.Tensor] | None:
-        waits = (finished_without_us, retry_grace, nobody_left, group_size)
+        waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
         if round_tag < self.cfg.allreduce_warmup_epochs:
             return super().average(grads, n_samples, label, round_tag, *waits)
         if isinstance(self.acp, PowerSgdState):

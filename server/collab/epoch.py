@@ -535,6 +535,7 @@ class StageCollaboration:
             retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
             nobody_left=lambda: not self.peers.peers,
             group_size=n_peers,
+            group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
         )
 
     def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:

@@ -14,6 +14,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good;
 - `DecentralizedAverager.rpc_join_group` (extended), `._matchmaking.group_key_manager.get_averagers` (wrapped): to
   keep peers the stage does not list out of its groups;
+- `Matchmaking.look_for_group` (wrapped), `StepControl.data_for_gather`, `GroupInfo`, `._running_groups` and
+  `DecentralizedAverager.rpc_aggregate_part` (extended): fixed groups, which skip matchmaking;
 - `DecentralizedAverager.rpc_download_state` (extended), `.dht`, and the DHT node's
   `protocol.routing_table.peer_id_to_uid`: in private swarms, to serve our state only to peers that proved the swarm
   key to our DHT node, or that the stage's records list.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import signal
 import typing
@@ -32,6 +35,8 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException
@@ -39,7 +44,7 @@ from hivemind.compression import deserialize_tensor_stream, deserialize_torch_te
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, enter_asynchronously
+from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, enter_asynchronously
 
 from dht.forking import forking
 from dht.records import parse_p2p_id, signed_records
@@ -47,6 +52,7 @@ from dht.records import parse_p2p_id, signed_records
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
 LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an unknown peer makes us read the DHT
+FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
 
 
 def check_version() -> None:
@@ -85,6 +91,17 @@ class _MembersOnly:
     async def __call__(self, group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
         found = await self.get_averagers(group_key, only_active)
         return [(peer, expiration) for peer, expiration in found if not self.averager._stranger(peer)]
+
+
+class _FixedOrMatchmaking:
+    """`Matchmaking.look_for_group` of an averager: its fixed group when it has one, else hivemind's matchmaking."""
+
+    def __init__(self, look_for_group, averager: StrictAverager):
+        self.look_for_group, self.averager = look_for_group, averager
+
+    async def __call__(self, step: StepControl) -> GroupInfo | None:
+        fixed = self.averager.fixed_group_info(step)
+        return fixed if fixed is not None else await self.look_for_group(step)
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -153,6 +170,7 @@ class StrictAverager(DecentralizedAverager):
     before anything is sent (`_aggregate_with_group`)."""
 
     _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
+    _fixed: tuple[PeerID, ...] | None = None  # the next rounds' group, us included (None: matchmaking); its process
     # private swarms (set before the process forks): the DHT key of the stage's signed records. Nobody may join our
     # groups before we are told the members, and only the peers those records list (joining peers included) may
     # download our state: an uninvited libp2p peer that dials us directly gets nothing.
@@ -174,6 +192,56 @@ class StrictAverager(DecentralizedAverager):
         manager = self._matchmaking.group_key_manager
         if not isinstance(manager.get_averagers, _MembersOnly):  # once per process: the matchmaking object lives on
             manager.get_averagers = _MembersOnly(manager.get_averagers, self)
+
+    def fix_group(self, members: Iterable[str] | None) -> None:
+        """Rounds from the next `step` on hold us and exactly `members` (libp2p ids), with no matchmaking: the
+        group's id is a hash of the members and of what the round gathers, so peers that see the group or the round
+        differently meet nobody and fail at once (a peer that asks a member not yet in the round waits for it, up to
+        the all-reduce timeout). None (or a malformed id): matchmaking again."""
+        valid = None if members is None else sorted(set(members))
+        if valid is not None and any(parse_p2p_id(m) is None for m in valid):
+            valid = None
+        self._outer_pipe.send(("_fix_group", [valid], {}))
+
+    async def _fix_group(self, members: list[str] | None) -> None:
+        if members is None:
+            self._fixed = None
+        else:  # sorted: every member hashes them in the same order
+            self._fixed = tuple(sorted({*map(PeerID.from_base58, members), self.peer_id}, key=PeerID.to_bytes))
+        matchmaking = self._matchmaking
+        if not isinstance(matchmaking.look_for_group, _FixedOrMatchmaking):  # once per process
+            matchmaking.look_for_group = _FixedOrMatchmaking(matchmaking.look_for_group, self)
+
+    def fixed_group_info(self, step: StepControl) -> GroupInfo | None:
+        """The averager's process: the group of a fixed round, the same on every member that gathers the same data."""
+        if self._fixed is None:
+            return None
+        _, _, user_data = self.serializer.loads(step.data_for_gather)
+        digest = hashlib.sha256(self.prefix.encode() + user_data + b"".join(p.to_bytes() for p in self._fixed))
+        group_id = digest.digest()[:20]
+        # every member computes the same order (who reduces which part), rotating with the round
+        order = tuple(sorted(self._fixed, key=lambda p: hashlib.sha256(group_id + p.to_bytes()).digest()))
+        same = self.serializer.dumps([1.0, AveragingMode.NODE.value, user_data])  # bandwidths alike: even parts
+        return GroupInfo(group_id, order, (same,) * len(order))
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # typing's: hivemind reads the hint's `_name`
+        """A member of our fixed group that reached the round before us waits for us (up to the all-reduce timeout)
+        instead of being told at once that we know no such group; a request for another group while we run ours is
+        refused at once (hivemind's reply)."""
+        request = await anext(stream)
+        if (
+            self._fixed is not None
+            and context.remote_id in self._fixed
+            and request.group_id not in self._running_groups
+        ):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (self._allreduce_timeout or 10.0)
+            while request.group_id not in self._running_groups and not self._running_groups and loop.time() < deadline:
+                await asyncio.sleep(FIXED_GROUP_POLL_S)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     def _stranger(self, peer_id: PeerID) -> bool:
         if self._members is None:

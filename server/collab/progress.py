@@ -220,7 +220,16 @@ class StagePeers:
 
     def group_size(self, epoch: int) -> int:
         """Us and every peer we know of, or that reported `epoch`."""
-        return 1 + len(set(self.peers) | {p for p, (e, _) in dict(self.view).items() if e == epoch})
+        return 1 + len(self._group(epoch))
+
+    def _group(self, epoch: int) -> set[str]:
+        return set(self.peers) | {p for p, (e, _) in dict(self.view).items() if e == epoch}
+
+    def group_p2p_ids(self, epoch: int) -> list[str] | None:
+        """The libp2p ids of the peers `group_size` counts (us aside), or None if a record has not told us one."""
+        p2p_ids = dict(self.p2p_ids)
+        ids = [p2p_ids.get(p, "") for p in self._group(epoch)]
+        return ids if all(ids) else None
 
     def counts_of(self, epoch: int) -> dict[str, int]:
         """Samples each live peer reported for `epoch` (the largest count each sent)."""

@@ -104,6 +104,7 @@ class LocalConfig:
     allreduce_error_feedback: bool = flag_of(AveragingConfig, "allreduce_error_feedback")
     allreduce_query_reuse: bool = flag_of(AveragingConfig, "allreduce_query_reuse")
     allreduce_compress_stages: str = flag_of(AveragingConfig, "allreduce_compress_stages")
+    fixed_groups: bool = flag_of(AveragingConfig, "fixed_groups")
     delay_optimizer_step: bool = field(
         default=EpochConfig.delay_optimizer_step,
         metadata={"help": "servers average and step in the background (delayed parameter updates)"},
@@ -179,7 +180,11 @@ class LocalConfig:
             ),
             averaging=dataclasses.replace(
                 base.averaging,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("allreduce_")},
+                **{
+                    f.name: getattr(self, f.name)
+                    for f in dataclasses.fields(self)
+                    if f.name.startswith("allreduce_") or f.name == "fixed_groups"
+                },
             ),
             compute=dataclasses.replace(base.compute, slowdown=self.slowdown),
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),

@@ -1,6 +1,7 @@
 """Stage averaging's cost: a local swarm's samples/s with 2 servers per stage (gradient all-reduce every epoch) against
 1 server per stage (no all-reduce), and all-reduce rounds that begin once the stage's known peers have gathered
-(`--early-rounds`, the default) against rounds that wait out `--matchmaking-time` (`--no-early-rounds`).
+(`--early-rounds`, the default) against rounds that wait out `--matchmaking-time` (`--no-early-rounds`) and fixed
+groups (`--fixed-groups`: no matchmaking at all).
 
 Each variant is a fresh set of servers under its own swarm name on one DHT node, measured by one trainer over a
 window of its own progress after a warm-up; variants run one at a time (idle servers are not free on 2 cores) and in
@@ -24,6 +25,7 @@ VARIANTS = {  # name -> (servers per stage, extra server flags)
     "1 per stage, no all-reduce": (1, []),
     "2 per stage, rounds wait --matchmaking-time": (2, ["--no-early-rounds"]),
     "2 per stage, early rounds": (2, ["--early-rounds"]),
+    "2 per stage, fixed groups": (2, ["--fixed-groups"]),
 }
 REFERENCE = "1 per stage, no all-reduce"
 

@@ -8,7 +8,7 @@ optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), same global batch (32
 built-in corpus. Bytes per round are the layout's: values sent in fp16 (what the servers send) against fp32 whole
 gradients per epoch (ACP: one factor per epoch, averaged over P and Q epochs; PowerSGD: both factors every epoch).
 
-    python -m tests.benchmarks.bench_lowrank [--quick] [--steps 300] [--d-model 512] [--ranks 4,16]
+    python -m tests.benchmarks.bench_lowrank [--quick] [--steps 300] [--d-model 512] [--ranks 4,16] [--only "a|b"]
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default=None, help="comma-separated ranks (default 4,16,32; --quick 4)")
     p.add_argument("--warmup", type=int, default=10, help="whole-gradient steps first (swarm-server's default)")
     p.add_argument("--kinds", default="acp,powersgd", help="low-rank schemes to run at each rank (acp, powersgd)")
+    p.add_argument("--only", default=None, help="configuration names separated by '|' ('whole gradients' always runs)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
     torch.set_num_threads(1)
@@ -112,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quick:
             runs[f"{full} without query reuse"] = ({"kind": kind, "rank": ablate, "reuse": False}, runs[full][1])
 
+    if args.only:
+        wanted = {"whole gradients", *args.only.split("|")}
+        if unknown := wanted - set(runs):
+            p.error(f"--only names no configuration {sorted(unknown)}; they are {sorted(runs)}")
+        runs = {name: run for name, run in runs.items() if name in wanted}
     results = []
     for name, (acp, ratio) in runs.items():
         started = time.monotonic()
