@@ -276,11 +276,11 @@ class AveragingConfig:
         },
     )
     fixed_groups: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "gradient all-reduce groups are the peers the stage knows for the epoch, with no matchmaking "
-            "through the DHT: a round begins when its peers reach it; peers that see the group differently fail the "
-            "round at once and retry"
+            "help": "a gradient all-reduce's first attempt holds exactly the peers the stage knows for the epoch, with "
+            "no matchmaking through the DHT: a round begins when its peers reach it; peers that see the group "
+            "differently fail it at once and retry with matchmaking (--no-fixed-groups: always matchmake)"
         },
     )
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})

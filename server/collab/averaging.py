@@ -135,8 +135,8 @@ class GradientAveraging:
         for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them.
         `group_size`: the peers in the round as the stage knows them, us included; the round begins once that many
         have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs).
-        `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round (asked again before each
-        attempt): they alone make the group, with no matchmaking (None, or None returned: matchmaking)."""
+        `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round: they alone make the
+        group of the first attempt, with no matchmaking (None, or None or [] returned: matchmaking)."""
 
         def fill(buffers: list[torch.Tensor]) -> None:
             for buf, g in zip(buffers, grads, strict=True):
@@ -175,8 +175,13 @@ class GradientAveraging:
 
         members = None if self.members is None else self.members()
         self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
+        attempts = 0
         while result is None and not give_up():
-            self.averager.fix_group(group() if group is not None else None)
+            # the first attempt in a fixed group, if the stage knows one beyond us; a retry matchmakes: the peers saw
+            # the group differently, or a member is gone, and matchmaking forms a group of those who are there
+            fixed = group() if group is not None and attempts == 0 else None
+            self.averager.fix_group(fixed or None)
+            attempts += 1
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(

@@ -118,6 +118,30 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
+        self.reducer_failed = asyncio.Event()
+
+    async def outputs(self) -> list[torch.Tensor]:
+        """The averaged tensors; raises AllreduceException as soon as a reducer fails. Its part will not be averaged,
+        so the round has failed: ending it now (our peers' parts to us are refused from then on) spares us and them
+        the wait for every timeout to run out."""
+        outputs: list[torch.Tensor] = []
+
+        async def collect() -> None:
+            async for averaged in self:
+                outputs.append(averaged)
+
+        task = asyncio.create_task(collect())
+        failed = asyncio.create_task(self.reducer_failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise AllreduceException(f"{self.tensor_part_container.failed_size} values were not averaged")
+        task.result()
+        return outputs
 
     def _as_sent(self, averaged: torch.Tensor) -> torch.Tensor:
         compression = self.tensor_part_container.compression.compression_type
@@ -125,7 +149,11 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:  # a remote reducer: what it sends back is registered as it comes
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception:
+                self.reducer_failed.set()  # its part will not be averaged: the round has failed (see `outputs`)
+                raise
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_running_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
@@ -348,9 +376,7 @@ class StrictAverager(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         if self._averaging_alpha != 1.0:
             raise ValueError("an exact all-reduce replaces tensors by the average: averaging_alpha must be 1")
-        outputs = []
-        async for averaged in runner:
-            outputs.append(averaged)
+        outputs = await runner.outputs()
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
         if runner.banned_senders:  # their values are missing from the parts we reduced: other peers got them

@@ -68,6 +68,12 @@ def configurations() -> dict[str, LocalConfig]:
         "acp without warm-up": dataclasses.replace(d, allreduce_codec="acp", allreduce_warmup_epochs=0),
         "acp without error feedback": dataclasses.replace(d, allreduce_codec="acp", allreduce_error_feedback=False),
         "acp without query reuse": dataclasses.replace(d, allreduce_codec="acp", allreduce_query_reuse=False),
+        # PowerSGD: both factors every epoch (two rounds); rank 2 sends what ACP's rank 4 sends
+        "all-reduce powersgd": dataclasses.replace(d, allreduce_codec="powersgd"),
+        "powersgd rank 2": dataclasses.replace(d, allreduce_codec="powersgd", allreduce_rank=2),
+        "powersgd without error feedback": dataclasses.replace(
+            d, allreduce_codec="powersgd", allreduce_error_feedback=False
+        ),
         # selective stage compression (Optimus-CC): low-rank on the earliest stages only
         "acp on stage 0": dataclasses.replace(d, allreduce_codec="acp", allreduce_compress_stages="0"),
         "acp on stages 0,1": dataclasses.replace(d, allreduce_codec="acp", allreduce_compress_stages="0,1"),
