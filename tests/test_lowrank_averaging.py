@@ -133,3 +133,30 @@ async def test_two_stage_peers_average_power_sgd_factors_for_real():
         assert gradient_averaging.bytes < gradient_averaging.fp32_bytes / 4, "sent no fewer bytes than 8-bit whole"
         shared = [s.collab.averaging.gradients.acp.shared_tensors() for s in servers]
         assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"
+
+
+async def test_parameter_averaging_runs_only_when_asked_and_then_averages_for_real():
+    """--param-average-every N builds the parameter averager (without it no process idles for it): two stage peers
+    with different parameters end a round holding their plain mean."""
+    async with stage_servers() as (peers, servers):
+        servers.append(await start_server(peers))
+        assert servers[0].collab.averaging.parameters is None
+        assert len(servers[0].collab.averaging.averagers()) == 1
+        for _ in range(2):
+            servers.append(await start_server(peers, param_average_every=1))
+        a, b = servers[1:]
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+            30,
+            "the two peers to find each other",
+        )
+        with torch.no_grad():
+            for k, server in enumerate((a, b)):
+                for p in server.worker.params:
+                    p.fill_(float(k * 2 + 1))  # 1 and 3: the mean is 2
+        await asyncio.gather(
+            *(asyncio.to_thread(s.collab.averaging.parameters.average, s.worker) for s in (a, b))  # type: ignore[union-attr]
+        )
+        for server in (a, b):
+            for p in server.worker.params:
+                assert torch.allclose(p, torch.full_like(p, 2.0)), p.flatten()[:3]

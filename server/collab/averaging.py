@@ -370,25 +370,30 @@ class ParameterAveraging:
 
 @dataclass
 class Averaging:
-    """How one stage averages: its gradient all-reduce, parameter averaging, and the averager that shares state."""
+    """How one stage averages: its gradient all-reduce, parameter averaging (None unless --param-average-every: no
+    averager process idles for it), and the averager that shares state."""
 
     gradients: GradientAveraging
-    parameters: ParameterAveraging
+    parameters: ParameterAveraging | None
     state: StageAverager  # also the gradient averager: its DHT prefix is the stage's
 
     @property
     def bytes(self) -> int:
-        return self.gradients.bytes + self.parameters.bytes
+        return self.gradients.bytes + (self.parameters.bytes if self.parameters else 0)
 
     @property
     def fp32_bytes(self) -> int:
-        return self.gradients.fp32_bytes + self.parameters.fp32_bytes
+        return self.gradients.fp32_bytes + (self.parameters.fp32_bytes if self.parameters else 0)
 
     def restrict_to(self, members: Callable[[], Iterable[str]]) -> None:
         """Rounds hold only us and the peers whose libp2p ids `members()` returns at the time (any thread)."""
-        self.gradients.members = self.parameters.members = members
+        self.gradients.members = members
+        if self.parameters is not None:
+            self.parameters.members = members
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
+        if self.parameters is None:
+            return (self.gradients.averager,)
         return (self.gradients.averager, self.parameters.averager)
 
     def launch(self) -> None:
@@ -436,20 +441,24 @@ def build_averaging(
         allow_state_sharing=True,
         **common,
     )
-    param_codec = policy.codec(TensorRole.PARAMETERS)
-    param_averager = StrictAverager(
-        averaged_tensors=[p.detach().cpu().clone() for p in worker.params],
-        prefix=f"{prefix}_params",
-        compression=hivemind_compression(param_codec),
-        allow_state_sharing=False,
-        **common,
-    )
+    parameters = None
+    if cfg.param_average_every > 0:
+        param_codec = policy.codec(TensorRole.PARAMETERS)
+        param_averager = StrictAverager(
+            averaged_tensors=[p.detach().cpu().clone() for p in worker.params],
+            prefix=f"{prefix}_params",
+            compression=hivemind_compression(param_codec),
+            allow_state_sharing=False,
+            **common,
+        )
+        parameters = ParameterAveraging(param_averager, cfg, param_codec)
     if sdht.swarm_key is not None:  # private swarm: only listed peers take our state or join our groups
-        averager.listed_under = param_averager.listed_under = stage_key(sdht.swarm_name, stage)
+        for averager_of_stage in (averager, *([parameters.averager] if parameters else [])):
+            averager_of_stage.listed_under = stage_key(sdht.swarm_name, stage)
     return Averaging(
         gradients=LowRankGradientAveraging(averager, cfg, grad_codec, acp)
         if acp
         else GradientAveraging(averager, cfg, grad_codec),  # fmt: skip
-        parameters=ParameterAveraging(param_averager, cfg, param_codec),
+        parameters=parameters,
         state=averager,
     )

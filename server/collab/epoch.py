@@ -564,15 +564,12 @@ class StageCollaboration:
             self.recovery.adopt(reference, epoch)
         if n_peers <= 1 and skip_to is not None and skip_to > self.epoch:
             self.worker.skip_to(skip_to)
-        if (
-            n_peers > 1
-            and self.averaging_cfg.param_average_every > 0
-            and self.epoch % self.averaging_cfg.param_average_every == 0
-        ):
+        parameters = self.averaging.parameters  # built with --param-average-every only
+        if n_peers > 1 and parameters is not None and self.epoch % self.averaging_cfg.param_average_every == 0:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
-            self.averaging.parameters.average(self.worker)
+            parameters.average(self.worker)
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
