@@ -175,7 +175,8 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
     """Fixed groups (--fixed-groups): three peers told the round's members step 0.6 s apart, with no matchmaking; the
     first two wait for the last, and all three end with the same weighted mean. Then a and b fix a group of the two
     of them while c still names all three: a and b average together at once (c's values reach neither), and c's
-    round fails instead of waiting for a group that never forms."""
+    round fails instead of waiting for a group that never forms. Last, c does not come at all: with a gather timeout
+    of 1 s, a's and b's round fails within seconds, not at the all-reduce timeout."""
     values = [torch.full((5000,), v) for v in (1.0, 4.0, 10.0)]
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
@@ -228,6 +229,20 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
             with peer.get_tensors() as (got,):
                 assert torch.allclose(got, (1 * values[0] + 2 * values[1]) / 3), got[:3]
         assert took < 8, f"c's failed round took {took:.1f}s"
+
+        # a member that never comes (frozen, say): with a gather timeout the others' round fails soon after it
+        for peer in peers[:2]:
+            peer.fix_group([i for i in ids if i != str(peer.peer_id)], gather_timeout=1.0)
+        results[2] = "c did not step"
+        started = time.monotonic()
+        threads = [threading.Thread(target=step, args=(i, 0.0)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        took = time.monotonic() - started
+        assert not any(isinstance(r, dict) for r in results[:2]), results
+        assert took < 4, f"a round waiting for a member that never came took {took:.1f}s"
     finally:
         for averager in peers:
             averager.shutdown()

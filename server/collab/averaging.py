@@ -180,7 +180,7 @@ class GradientAveraging:
             # the first attempt in a fixed group, if the stage knows one beyond us; a retry matchmakes: the peers saw
             # the group differently, or a member is gone, and matchmaking forms a group of those who are there
             fixed = group() if group is not None and attempts == 0 else None
-            self.averager.fix_group(fixed or None)
+            self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
             attempts += 1
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)

@@ -8,7 +8,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
 - `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
   `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
   `compression`, `failed_size`), `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
-  `banned_senders`: to hand every peer the same averaged values, and to fail a round with parts not averaged;
+  `banned_senders`, `_future`: to hand every peer the same averaged values, and to fail a round with parts not
+  averaged (at once, when a reducer fails);
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
   `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good;
@@ -120,10 +121,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
         self.reducer_failed = asyncio.Event()
 
-    async def outputs(self) -> list[torch.Tensor]:
+    async def outputs(self, gather_timeout: float | None = None) -> list[torch.Tensor]:
         """The averaged tensors; raises AllreduceException as soon as a reducer fails. Its part will not be averaged,
         so the round has failed: ending it now (our peers' parts to us are refused from then on) spares us and them
-        the wait for every timeout to run out."""
+        the wait for every timeout to run out. `gather_timeout`: the round also fails unless every peer of the group
+        has begun sending us its part by then (a fixed group: a member that is frozen, or never comes)."""
         outputs: list[torch.Tensor] = []
 
         async def collect() -> None:
@@ -133,12 +135,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         task = asyncio.create_task(collect())
         failed = asyncio.create_task(self.reducer_failed.wait())
         try:
-            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, failed}, timeout=gather_timeout, return_when=asyncio.FIRST_COMPLETED)
+            if done or self.all_senders_started.is_set():
+                await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                missing = [str(p) for p in self.sender_peer_ids if p not in self.active_senders]
+                logger.info("members %s did not reach the round within %.1fs", missing, gather_timeout)
         finally:
             failed.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            if self._future.done() and not self._future.cancelled():
+                self._future.exception()  # the cancellation hivemind's `run` stored: retrieved, so not logged
             raise AllreduceException(f"{self.tensor_part_container.failed_size} values were not averaged")
         task.result()
         return outputs
@@ -199,6 +208,7 @@ class StrictAverager(DecentralizedAverager):
 
     _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
     _fixed: tuple[PeerID, ...] | None = None  # the next rounds' group, us included (None: matchmaking); its process
+    _gather_timeout: float | None = None  # how long a fixed round waits for its members to begin (averager's process)
     # private swarms (set before the process forks): the DHT key of the stage's signed records. Nobody may join our
     # groups before we are told the members, and only the peers those records list (joining peers included) may
     # download our state: an uninvited libp2p peer that dials us directly gets nothing.
@@ -221,17 +231,19 @@ class StrictAverager(DecentralizedAverager):
         if not isinstance(manager.get_averagers, _MembersOnly):  # once per process: the matchmaking object lives on
             manager.get_averagers = _MembersOnly(manager.get_averagers, self)
 
-    def fix_group(self, members: Iterable[str] | None) -> None:
+    def fix_group(self, members: Iterable[str] | None, gather_timeout: float | None = None) -> None:
         """Rounds from the next `step` on hold us and exactly `members` (libp2p ids), with no matchmaking: the
         group's id is a hash of the members and of what the round gathers, so peers that see the group or the round
         differently meet nobody and fail at once (a peer that asks a member not yet in the round waits for it, up to
-        the all-reduce timeout). None (or a malformed id): matchmaking again."""
+        the all-reduce timeout). The round fails unless every member has begun sending its part within
+        `gather_timeout` seconds (None: no bound). None (or a malformed id): matchmaking again."""
         valid = None if members is None else sorted(set(members))
         if valid is not None and any(parse_p2p_id(m) is None for m in valid):
             valid = None
-        self._outer_pipe.send(("_fix_group", [valid], {}))
+        self._outer_pipe.send(("_fix_group", [valid, gather_timeout], {}))
 
-    async def _fix_group(self, members: list[str] | None) -> None:
+    async def _fix_group(self, members: list[str] | None, gather_timeout: float | None = None) -> None:
+        self._gather_timeout = gather_timeout
         if members is None:
             self._fixed = None
         else:  # sorted: every member hashes them in the same order
@@ -376,7 +388,7 @@ class StrictAverager(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         if self._averaging_alpha != 1.0:
             raise ValueError("an exact all-reduce replaces tensors by the average: averaging_alpha must be 1")
-        outputs = await runner.outputs()
+        outputs = await runner.outputs(self._gather_timeout if self._fixed is not None else None)
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(f"{runner.tensor_part_container.failed_size} values were not averaged")
         if runner.banned_senders:  # their values are missing from the parts we reduced: other peers got them

@@ -11,6 +11,7 @@ digests, read through Info once training has stopped). Not part of CI: it runs f
 from __future__ import annotations
 
 import random
+import shlex
 import signal
 import time
 
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--restart-s", type=float, default=10.0, help="how long a killed server stays dead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples-per-step", type=int, default=16)
+    p.add_argument("--server-flags", default="", help="more swarm-server flags, e.g. '--no-fixed-groups'")
     args = p.parse_args()
     common.exit_on_sigterm()
     rng = random.Random(args.seed)
@@ -54,7 +56,8 @@ def main() -> None:
         def start(name: str) -> None:
             stage = int(name.split("-s")[1][0])
             flags = ["--port", str(ports[name]), "--samples-per-step", str(args.samples_per_step)]
-            swarm.start_server(name, stage, [*flags, "--no-check-reachability", "--no-rebalance"])
+            more = shlex.split(args.server_flags)
+            swarm.start_server(name, stage, [*flags, "--no-check-reachability", "--no-rebalance", *more])
 
         for name in names:
             start(name)
