@@ -24,19 +24,22 @@ def state_path(directory: str | Path, stage: int) -> Path:
     return Path(directory) / f"stage{stage}.state.pt"
 
 
-def save_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankState | None = None) -> Path:
+def save_checkpoint(worker: StageWorker, directory: str | Path, lowrank: LowRankState | None = None) -> Path:
     """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock;
-    with ACP averaging, also its factors and this peer's residual."""
+    with low-rank averaging, also its factors and this peer's residual."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     meta, tensors = worker.state_tensors()
-    lowrank = acp.checkpoint() if acp is not None else None
+    saved_lowrank = lowrank.checkpoint() if lowrank is not None else None
     epoch = meta["epoch"]
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     weights = {name: t.contiguous() for name, t in zip(names, tensors, strict=False)}
     stage = worker.stage.index
     for path, write in (
         (weights_path(directory, stage), lambda f: save_file(weights, f, metadata={"epoch": str(epoch)})),
-        (state_path(directory, stage), lambda f: torch.save({"meta": meta, "tensors": tensors, "lowrank": lowrank}, f)),
+        (
+            state_path(directory, stage),
+            lambda f: torch.save({"meta": meta, "tensors": tensors, "lowrank": saved_lowrank}, f),
+        ),
     ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         write(str(tmp))
@@ -45,8 +48,8 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankStat
     return weights_path(directory, stage)
 
 
-def load_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankState | None = None) -> int | None:
-    """Loads weights, optimizer state and epoch if a checkpoint of this stage exists; returns its epoch. With ACP
+def load_checkpoint(worker: StageWorker, directory: str | Path, lowrank: LowRankState | None = None) -> int | None:
+    """Loads weights, optimizer state and epoch if a checkpoint of this stage exists; returns its epoch. With low-rank
     averaging, also its factors and residual where the checkpoint has them (else they start over)."""
     stage = worker.stage.index
     if not state_path(directory, stage).exists():
@@ -56,9 +59,9 @@ def load_checkpoint(worker: StageWorker, directory: str | Path, acp: LowRankStat
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     tensors = [weights[name] for name in names] + saved["tensors"][len(names) :]
     worker.load_state(saved["meta"], tensors)
-    if acp is not None:
+    if lowrank is not None:
         try:
-            acp.restore(saved.get("lowrank"))
+            lowrank.restore(saved.get("lowrank"))
         except (ValueError, AttributeError, TypeError) as e:
             logger.warning("stage %d: the low-rank factors start over: %s", stage, e)
     logger.info("stage %d: resumed from checkpoint at epoch %d", stage, saved["meta"]["epoch"])

@@ -238,9 +238,9 @@ class AveragingConfig:
     allreduce_compress_stages: str = field(
         default="all",
         metadata={
-            "help": "acp/powersgd: the stages that average low-rank: 'all', stage indices ('0,1') or a fraction of the stages "
-            "counted from stage 0 ('0.5'); the others average whole, 8-bit. Optimus-CC's selective compression: the "
-            "earliest stages finish backward last, so their all-reduce is the one on the critical path"
+            "help": "acp/powersgd: the stages that average low-rank: 'all', stage indices ('0,1') or a fraction of the "
+            "stages counted from stage 0 ('0.5'); the others average whole, 8-bit. Optimus-CC's selective compression: "
+            "the earliest stages finish backward last, so their all-reduce is the one on the critical path"
         },
     )
     param_average_every: int = field(
@@ -326,7 +326,8 @@ class AveragingConfig:
     @property
     def scheme(self) -> str:
         """What peers averaging together must agree on: for low-rank codecs, factors of another rank or another query
-        do not add up (error feedback and warm-up may differ: each peer's residual is its own, and the phase travels anyway)."""
+        do not add up (error feedback and warm-up may differ: each peer's residual is its own, and the phase travels
+        anyway)."""
         if self.allreduce_codec not in LOW_RANK_CODECS:
             return self.allreduce_codec
         return f"{self.allreduce_codec}-rank{self.allreduce_rank}-reuse{int(self.allreduce_query_reuse)}"

@@ -220,7 +220,7 @@ class StageServer:
         self.take_snapshot()  # a move keeps announcing its pending record meanwhile (`announce_forever`)
         joined = await collab.join()
         if not joined and cfg.checkpoint.checkpoint_dir:
-            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir, collab.acp)
+            await asyncio.to_thread(load_checkpoint, worker, cfg.checkpoint.checkpoint_dir, collab.lowrank)
         if self._endpoint is None:
             service = StageService(worker, self.active.schema, collab, cfg.guard)
             server, health_servicer, port = await start_stage_server(
@@ -338,7 +338,7 @@ class StageServer:
     async def checkpoint_forever(self, stop: asyncio.Event, directory: str) -> None:
         while not await sleep_unless(stop, self.cfg.checkpoint.checkpoint_period):
             if self.serving:
-                await asyncio.to_thread(save_checkpoint, self.worker, directory, self.collab.acp)
+                await asyncio.to_thread(save_checkpoint, self.worker, directory, self.collab.lowrank)
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
@@ -391,7 +391,7 @@ class StageServer:
         if (
             cfg.checkpoint.checkpoint_dir and was_serving
         ):  # not a stage we were still joining: its checkpoint would be wrong
-            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir, self.collab.acp)
+            await asyncio.to_thread(save_checkpoint, self.worker, cfg.checkpoint.checkpoint_dir, self.collab.lowrank)
         await self.collab.stop()
         self.worker.shutdown()
         await self.sdht.close_p2p()

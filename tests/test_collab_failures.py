@@ -85,7 +85,7 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             assert torch.allclose(pa, p, rtol=0, atol=1e-6), f"{name}: not the single-process step"
         assert a.worker.param_version == b.worker.param_version == 1
         if averaging:
-            factors = [s.collab.averaging.gradients.acp.shared_tensors() for s in (a, b)]
+            factors = [s.collab.averaging.gradients.lowrank.shared_tensors() for s in (a, b)]
             assert all(torch.equal(x, y) for x, y in zip(*factors, strict=True)), "the peers hold different factors"
 
 

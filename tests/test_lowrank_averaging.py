@@ -1,12 +1,14 @@
-"""ACP-SGD on the real stage averager: two in-process peers of one stage (real DHT, real hivemind averagers) average
-low-rank factors for real, end each round holding the same values, and a joiner's download carries the factors."""
+"""Low-rank averaging (ACP-SGD, PowerSGD) and parameter averaging on the real stage averager: two in-process peers of
+one stage (real DHT, real hivemind averagers) average for real, end each round holding the same values, and a
+joiner's download carries the factors."""
 
 import asyncio
 
 import pytest
 import torch
 
-from server.collab.lowrank import AcpState
+from server.collab.lowrank import LowRankState
+from server.stage_server import StageServer
 from tests.peers import stage_servers, start_server, wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -26,39 +28,50 @@ def gradients(shapes: list[torch.Size], basis: dict[int, torch.Tensor], seed: in
     return out
 
 
+async def two_peers(initial_peers: list[str], servers: list[StageServer], **averaging) -> tuple[StageServer, ...]:
+    """Two peers of stage 0 with these AveragingConfig fields, once each lists the other."""
+    pair = [await start_server(initial_peers, **averaging) for _ in range(2)]
+    servers.extend(pair)
+    a, b = pair
+    await wait_for_async(
+        lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+        30,
+        "the two peers to find each other",
+    )
+    return a, b
+
+
+def shared_span_gradients(state: LowRankState, shapes: list[torch.Size]) -> tuple[list[list[torch.Tensor]], list]:
+    """Both peers' gradients, whose matrices share a rank-2 column space, and their mean weighted 1 and 3."""
+    gen = torch.Generator().manual_seed(0)
+    basis = {
+        i: torch.randn(n, 2, generator=gen)
+        for i, (n, _, _) in zip(state.layout.matrices, state.layout.dims, strict=False)
+    }
+    grads = [gradients(shapes, basis, seed) for seed in (1, 2)]
+    return grads, [(1 * ga + 3 * gb) / 4 for ga, gb in zip(*grads, strict=True)]
+
+
+async def average_both(pair: tuple[StageServer, ...], grads: list[list[torch.Tensor]], epoch: int) -> list:
+    """Both peers' gradient averaging of `epoch` at once, with 1 and 3 samples."""
+    return await asyncio.gather(
+        *(
+            asyncio.to_thread(s.collab.averaging.gradients.average, g, n, f"test epoch {epoch}", epoch)
+            for s, g, n in zip(pair, grads, (1, 3), strict=True)
+        )
+    )
+
+
 async def test_two_stage_peers_average_acp_factors_for_real():
     async with stage_servers() as (peers, servers):
-        for _ in range(2):
-            servers.append(
-                await start_server(peers, allreduce_codec="acp", allreduce_rank=2, allreduce_warmup_epochs=0)
-            )
-        a, b = servers
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
-        acp: AcpState = a.collab.averaging.gradients.acp
+        a, b = await two_peers(peers, servers, allreduce_codec="acp", allreduce_rank=2, allreduce_warmup_epochs=0)
+        acp = a.collab.averaging.gradients.lowrank
         shapes = [p.shape for p in a.worker.params]
-        gen = torch.Generator().manual_seed(0)
-        basis = {
-            i: torch.randn(n, 2, generator=gen)
-            for i, (n, _, _) in zip(acp.layout.matrices, acp.layout.dims, strict=False)
-        }
-        grads = [gradients(shapes, basis, seed) for seed in (1, 2)]
-        mean = [(1 * ga + 3 * gb) / 4 for ga, gb in zip(*grads, strict=True)]  # weights: 1 and 3 samples
-
-        async def both(epoch: int) -> list[list[torch.Tensor]]:
-            return await asyncio.gather(
-                *(
-                    asyncio.to_thread(s.collab.averaging.gradients.average, g, n, f"test epoch {epoch}", epoch)
-                    for s, g, n in zip(servers, grads, (1, 3), strict=True)
-                )
-            )
+        grads, mean = shared_span_gradients(acp, shapes)
 
         sent = []
         for epoch in (0, 1):  # a P round, then a Q round
-            results = await both(epoch)
+            results = await average_both((a, b), grads, epoch)
             assert all(r is not None for r in results), "the round failed"
             for x, y in zip(*results, strict=True):
                 assert torch.equal(x, y), "the peers hold different averages"
@@ -73,7 +86,7 @@ async def test_two_stage_peers_average_acp_factors_for_real():
             assert both_rounds < 5e-2, f"tensor {i}: two rounds with error feedback did not send it ({both_rounds})"
         full = sum(g.numel() for g in grads[0])
         assert a.collab.averaging.gradients.bytes < 2 * 2 * full, "sent more than two whole 8-bit rounds"
-        shared = [s.collab.averaging.gradients.acp.shared_tensors() for s in servers]
+        shared = [s.collab.averaging.gradients.lowrank.shared_tensors() for s in servers]
         assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"
 
         # a joiner's download: the worker's state and the factors, checked before anything changes
@@ -97,31 +110,11 @@ async def test_two_stage_peers_average_power_sgd_factors_for_real():
     """PowerSGD: one epoch is two real rounds (P with the whole tensors, then Q alone); both peers end it with the
     same values, and gradients whose weighted mean has rank <= r arrive whole after that one epoch."""
     async with stage_servers() as (peers, servers):
-        for _ in range(2):
-            servers.append(
-                await start_server(peers, allreduce_codec="powersgd", allreduce_rank=2, allreduce_warmup_epochs=0)
-            )
-        a, b = servers
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
-        state = a.collab.averaging.gradients.acp
+        pair = await two_peers(peers, servers, allreduce_codec="powersgd", allreduce_rank=2, allreduce_warmup_epochs=0)
+        a = pair[0]
         shapes = [p.shape for p in a.worker.params]
-        gen = torch.Generator().manual_seed(0)
-        basis = {
-            i: torch.randn(n, 2, generator=gen)
-            for i, (n, _, _) in zip(state.layout.matrices, state.layout.dims, strict=False)
-        }
-        grads = [gradients(shapes, basis, seed) for seed in (1, 2)]
-        mean = [(1 * ga + 3 * gb) / 4 for ga, gb in zip(*grads, strict=True)]
-        results = await asyncio.gather(
-            *(
-                asyncio.to_thread(s.collab.averaging.gradients.average, g, n, "test epoch 0", 0)
-                for s, g, n in zip(servers, grads, (1, 3), strict=True)
-            )
-        )
+        grads, mean = shared_span_gradients(a.collab.averaging.gradients.lowrank, shapes)
+        results = await average_both(pair, grads, 0)
         assert all(r is not None for r in results), "the epoch failed"
         for x, y in zip(*results, strict=True):
             assert torch.equal(x, y), "the peers hold different averages"
@@ -131,7 +124,7 @@ async def test_two_stage_peers_average_power_sgd_factors_for_real():
         gradient_averaging = a.collab.averaging.gradients
         assert gradient_averaging.rounds_ok == 2, "one PowerSGD epoch is two rounds"
         assert gradient_averaging.bytes < gradient_averaging.fp32_bytes / 4, "sent no fewer bytes than 8-bit whole"
-        shared = [s.collab.averaging.gradients.acp.shared_tensors() for s in servers]
+        shared = [s.collab.averaging.gradients.lowrank.shared_tensors() for s in servers]
         assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"
 
 
@@ -142,14 +135,7 @@ async def test_parameter_averaging_runs_only_when_asked_and_then_averages_for_re
         servers.append(await start_server(peers))
         assert servers[0].collab.averaging.parameters is None
         assert len(servers[0].collab.averaging.averagers()) == 1
-        for _ in range(2):
-            servers.append(await start_server(peers, param_average_every=1))
-        a, b = servers[1:]
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
+        a, b = await two_peers(peers, servers, param_average_every=1)
         with torch.no_grad():
             for k, server in enumerate((a, b)):
                 for p in server.worker.params:

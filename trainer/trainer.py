@@ -254,7 +254,7 @@ class Trainer:
             self._write_stats()
             if time.monotonic() - last_log >= self.cfg.log_period:
                 last_log = time.monotonic()
-                s = self.snapshot()
+                s = self.last_snapshot
                 logger.info(
                     "step %d | loss %.3f | %.1f samples/s | peers %s | versions %s | wire %.1f MB (%.2fx less "
                     "than fp32) | all-reduce %s MB (%.1fx less) | lost %d",

@@ -34,7 +34,7 @@ from server.collab.lowrank import (
     LowRankState,
     PowerSgdState,
 )
-from server.config import AveragingConfig
+from server.config import LOW_RANK_CODECS, AveragingConfig
 from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
@@ -63,19 +63,21 @@ class StageAverager(StrictAverager):
     averaged: the gradients whole; with ACP-SGD the P or Q factors of the low-rank tensors and the rest whole; with
     PowerSGD the P factors and the rest whole, then the Q factors alone."""
 
-    def __init__(self, worker: StageWorker, acp: LowRankState | None = None, **kwargs):
-        self._worker, self.acp = worker, acp  # before super().__init__: the state thread may ask at once
+    def __init__(self, worker: StageWorker, lowrank: LowRankState | None = None, **kwargs):
+        self._worker, self.lowrank = worker, lowrank  # before super().__init__: the state thread may ask at once
         # shared memory, allocated before the averager's process forks: the round's factors travel through these
         self.factors = {
-            phase: [torch.zeros(shape).share_memory_() for shape in acp.layout.factor_shapes(phase)] if acp else []
+            phase: [torch.zeros(shape).share_memory_() for shape in lowrank.layout.factor_shapes(phase)]
+            if lowrank
+            else []
             for phase in (PHASE_P, PHASE_Q)
         }
         super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.params], **kwargs)
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
-        if self.acp is not None:
-            shared = self.acp.shared_tensors()
+        if self.lowrank is not None:
+            shared = self.lowrank.shared_tensors()
             meta, tensors = {**meta, "lowrank": len(shared)}, [*tensors, *shared]
         logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], state_digest(tensors))
         return meta, tensors, None
@@ -83,11 +85,11 @@ class StageAverager(StrictAverager):
     def split_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A downloaded state's (worker tensors, low-rank factors), checked against ours; raises ValueError."""
         n = meta.get("lowrank", 0)
-        if not isinstance(n, int) or not 0 <= n <= len(tensors) or (n > 0) != (self.acp is not None):
+        if not isinstance(n, int) or not 0 <= n <= len(tensors) or (n > 0) != (self.lowrank is not None):
             raise ValueError(f"the state's low-rank factors ({n!r}) do not match this stage's --allreduce-codec")
         worker_tensors, factors = tensors[: len(tensors) - n], tensors[len(tensors) - n :]
-        if self.acp is not None:
-            self.acp.check_shared(factors)
+        if self.lowrank is not None:
+            self.lowrank.check_shared(factors)
         return worker_tensors, factors
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,11 +98,14 @@ class StageAverager(StrictAverager):
         phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
         if phase == PHASE_FULL:
             return local
-        if self.acp is None or phase not in (PHASE_P, PHASE_Q, PHASE_PSGD_P, PHASE_PSGD_Q):
+        if self.lowrank is None or phase not in (PHASE_P, PHASE_Q, PHASE_PSGD_P, PHASE_PSGD_Q):
             raise ValueError(f"a round of phase {phase!r} on an averager without low-rank factors")
         if phase == PHASE_PSGD_Q:  # PowerSGD's second round: the tensors kept whole went in its first
             return list(self.factors[PHASE_Q])
-        return [*self.factors[PHASE_P if phase == PHASE_PSGD_P else phase], *(local[i] for i in self.acp.layout.whole)]
+        return [
+            *self.factors[PHASE_P if phase == PHASE_PSGD_P else phase],
+            *(local[i] for i in self.lowrank.layout.whole),
+        ]
 
 
 class GradientAveraging:
@@ -179,8 +184,9 @@ class GradientAveraging:
         while result is None and not give_up():
             # the first attempt in a fixed group, if the stage knows one beyond us; a retry matchmakes: the peers saw
             # the group differently, or a member is gone, and matchmaking forms a group of those who are there
-            fixed = group() if group is not None and attempts == 0 else None
-            self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
+            if group is not None:
+                fixed = group() if attempts == 0 else None
+                self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
             attempts += 1
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
@@ -246,9 +252,9 @@ class LowRankGradientAveraging(GradientAveraging):
     epoch averages one factor of each low-rank tensor (ACP-SGD) or both in two rounds (PowerSGD). A failed round
     changes neither the factors nor the error feedback."""
 
-    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec, state: LowRankState):
+    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec, lowrank: LowRankState):
         super().__init__(averager, cfg, codec)
-        self.acp = state
+        self.lowrank = lowrank
 
     def average(
         self,
@@ -265,23 +271,35 @@ class LowRankGradientAveraging(GradientAveraging):
         waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
         if round_tag < self.cfg.allreduce_warmup_epochs:
             return super().average(grads, n_samples, label, round_tag, *waits)
-        if isinstance(self.acp, PowerSgdState):
-            return self._power_sgd(self.acp, grads, n_samples, label, round_tag, waits)
-        assert isinstance(self.acp, AcpState)
-        layout, shapes = self.acp.layout, [g.shape for g in grads]
-        rnd = self.acp.compress(grads, round_tag, float(n_samples))
+        epoch = self._power_sgd if isinstance(self.lowrank, PowerSgdState) else self._acp
+        averaged = epoch(grads, n_samples, label, round_tag, waits)
+        if averaged is None:
+            return None
+        low_rank, whole = averaged
+        merged = {**dict(zip(self.lowrank.layout.matrices, low_rank, strict=True)), **whole}
+        return [merged[i] for i in range(len(grads))]
+
+    def _acp(
+        self, grads: list[torch.Tensor], n_samples: int, label: str, round_tag: int, waits: tuple
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
+        """An ACP-SGD epoch: one round of one factor; (averaged low-rank gradients, whole tensors) or None."""
+        state = self.lowrank
+        assert isinstance(state, AcpState)
+        rnd = state.compress(grads, round_tag, float(n_samples))
         averaged = self._factors_round(rnd.phase, rnd.factors, grads, n_samples, label, round_tag, waits)
         if averaged is None:
             return None
         averaged_factors, whole = averaged
-        low_rank = dict(zip(layout.matrices, self.acp.decompress(rnd, averaged_factors, shapes), strict=True))
-        self.acp.commit(rnd, averaged_factors, had_samples=n_samples > 0)
-        return [whole[i] if i in whole else low_rank[i] for i in range(len(grads))]
+        low_rank = state.decompress(rnd, averaged_factors, [g.shape for g in grads])
+        state.commit(rnd, averaged_factors, had_samples=n_samples > 0)
+        return low_rank, whole
 
     def _power_sgd(
-        self, state: PowerSgdState, grads: list[torch.Tensor], n_samples: int, label: str, round_tag: int, waits: tuple
-    ) -> list[torch.Tensor] | None:
+        self, grads: list[torch.Tensor], n_samples: int, label: str, round_tag: int, waits: tuple
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
         """Both rounds of a PowerSGD epoch; either failing fails the epoch and commits nothing."""
+        state = self.lowrank
+        assert isinstance(state, PowerSgdState)
         rnd = state.first(grads, round_tag, float(n_samples))
         first = self._factors_round(PHASE_PSGD_P, rnd.factors, grads, n_samples, label, round_tag, waits)
         if first is None:
@@ -291,9 +309,7 @@ class LowRankGradientAveraging(GradientAveraging):
         second = self._factors_round(PHASE_PSGD_Q, rnd.factors, grads, n_samples, label, round_tag, waits)
         if second is None:
             return None
-        shapes = [g.shape for g in grads]
-        low_rank = dict(zip(state.layout.matrices, state.finish(rnd, second[0], shapes, n_samples > 0), strict=True))
-        return [whole[i] if i in whole else low_rank[i] for i in range(len(grads))]
+        return state.finish(rnd, second[0], [g.shape for g in grads], n_samples > 0), whole
 
     def _factors_round(
         self,
@@ -307,7 +323,7 @@ class LowRankGradientAveraging(GradientAveraging):
     ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
         """One round of `phase`: our factors (and the whole tensors, unless PowerSGD's second round) averaged with the
         group; (averaged factors, {index: averaged whole tensor}), or None if the round failed."""
-        layout, shapes = self.acp.layout, [g.shape for g in grads]
+        layout, shapes = self.lowrank.layout, [g.shape for g in grads]
         with_whole = phase != PHASE_PSGD_Q
         buffers_of_factors = self.averager.factors[PHASE_P if phase in (PHASE_P, PHASE_PSGD_P) else PHASE_Q]
 
@@ -426,14 +442,14 @@ def build_averaging(
         next_chunk_timeout=cfg.averaging_timeout,
     )
     grad_codec = policy.codec(TensorRole.ALLREDUCE_GRADIENTS)
-    acp: LowRankState | None = None
-    if cfg.allreduce_codec in ("acp", "powersgd"):  # every peer of the stage starts from the same factors
+    lowrank: LowRankState | None = None
+    if cfg.allreduce_codec in LOW_RANK_CODECS:  # every peer of the stage starts from the same factors
         layout = Layout.of([p.shape for p in worker.params], cfg.allreduce_rank)
         kind = AcpState if cfg.allreduce_codec == "acp" else PowerSgdState
-        acp = kind(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
+        lowrank = kind(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
     averager = StageAverager(
         worker,
-        acp,
+        lowrank,
         prefix=prefix,
         compression=hivemind_compression(grad_codec),
         state_compression=hivemind_compression(policy.codec(TensorRole.STATE)),
@@ -456,8 +472,8 @@ def build_averaging(
         for averager_of_stage in (averager, *([parameters.averager] if parameters else [])):
             averager_of_stage.listed_under = stage_key(sdht.swarm_name, stage)
     return Averaging(
-        gradients=LowRankGradientAveraging(averager, cfg, grad_codec, acp)
-        if acp
+        gradients=LowRankGradientAveraging(averager, cfg, grad_codec, lowrank)
+        if lowrank
         else GradientAveraging(averager, cfg, grad_codec),  # fmt: skip
         parameters=parameters,
         state=averager,

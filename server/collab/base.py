@@ -48,8 +48,8 @@ class Collaboration(Protocol):
         ...
 
     @property
-    def acp(self) -> LowRankState | None:
-        """The stage's ACP-SGD state, if it averages low-rank."""
+    def lowrank(self) -> LowRankState | None:
+        """The stage's low-rank averaging state (ACP-SGD or PowerSGD), if it averages low-rank."""
         ...
 
     @property
@@ -105,7 +105,7 @@ class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
     allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = 0
-    acp = None
+    lowrank = None
 
     @property
     def compression(self) -> str:

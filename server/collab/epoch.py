@@ -152,13 +152,13 @@ class StageCollaboration:
         return self.recovery.downloads
 
     @property
-    def acp(self) -> LowRankState | None:
-        return self.averaging.state.acp
+    def lowrank(self) -> LowRankState | None:
+        return self.averaging.state.lowrank
 
     @property
     def compression(self) -> str:
         described = self.policy.describe()
-        if self.acp is None:
+        if self.lowrank is None:
             return described
         cfg = self.averaging_cfg
         return f"{described} (as {cfg.scheme} factors after {cfg.allreduce_warmup_epochs} whole epochs)"

@@ -117,8 +117,8 @@ class Recovery:
         worker_tensors, factors = self.averager.split_state(meta, tensors)  # checked before anything changes
         self.worker.drop_gradients()
         self.worker.load_state(meta, worker_tensors)
-        if self.averager.acp is not None:
-            self.averager.acp.load_shared(factors)
+        if self.averager.lowrank is not None:
+            self.averager.lowrank.load_shared(factors)
         self.downloads += 1
         logger.info(
             "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
