@@ -100,14 +100,37 @@ async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 class ReplyCache:
     """The last Backward replies, by the admission they used (event loop). A Backward counts once per server
     (tickets.py); a trainer whose reply was lost (its deadline passed while the server still computed) asks the same
-    server again, and gets the same reply instead of a refusal. Bounded in replies and bytes."""
+    server again, and gets the same reply instead of a refusal, or waits for it while the first attempt computes.
+    Bounded in replies and bytes; the replies being computed are bounded by the calls a server holds."""
 
     def __init__(self, max_bytes: int, max_replies: int = 256):
         self.max_bytes, self.max_replies, self.bytes = max_bytes, max_replies, 0
         self._replies: collections.OrderedDict[tuple, list[bytes]] = collections.OrderedDict()
+        self._computing: dict[tuple, asyncio.Future[list[bytes] | None]] = {}
 
     def get(self, key: tuple) -> list[bytes] | None:
         return self._replies.get(key)
+
+    async def recall(self, key: tuple) -> list[bytes] | None:
+        """The reply of the Backward that spent `key` here: kept, or awaited while it computes. None if none is kept
+        (forgotten, or computed by an earlier run of this server); raises Uncounted if that Backward failed before
+        it counted (its admission is free again)."""
+        if (computing := self._computing.get(key)) is not None:
+            if (frames := await asyncio.shield(computing)) is None:
+                raise Uncounted
+            return frames
+        return self._replies.get(key)
+
+    def computing(self, key: tuple) -> None:
+        """A Backward that spent `key` begins; `done` must follow, whatever happens."""
+        self._computing[key] = asyncio.get_running_loop().create_future()
+
+    def done(self, key: tuple, frames: list[bytes] | None) -> None:
+        """The Backward that spent `key` replied `frames`, or failed before it counted (None)."""
+        if frames is not None:
+            self.put(key, frames)
+        if (computing := self._computing.pop(key, None)) is not None and not computing.done():
+            computing.set_result(frames)
 
     def put(self, key: tuple, frames: list[bytes]) -> None:
         size = sum(map(len, frames))
@@ -118,6 +141,10 @@ class ReplyCache:
         while self.bytes > self.max_bytes or len(self._replies) > self.max_replies:
             _, dropped = self._replies.popitem(last=False)
             self.bytes -= sum(map(len, dropped))
+
+
+class Uncounted(Exception):
+    """The Backward a retry waited for failed before its gradient counted: the retry is judged afresh."""
 
 
 def caller_of(context: grpc.aio.ServicerContext) -> str:
@@ -148,6 +175,7 @@ class StageService:
         self.budget = ByteBudget(self._budget_bytes(), self.guard.max_caller_share)
         self.calls_by_caller: dict[str, int] = {}
         self.replies = ReplyCache(max(self.budget.limit // 4, 8 << 20))
+        self._jobs: set[asyncio.Future] = set()  # Backwards computing (asyncio keeps only weak references to tasks)
         self.requests_rejected = 0
         self.requests_busy = 0  # turned away with RESOURCE_EXHAUSTED: too many calls or bytes held
         self.active_calls = 0  # Forward/Backward calls between arrival and reply
@@ -284,26 +312,22 @@ class StageService:
             if self.schema.is_first and not backward and not call.meta.inference:
                 ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
             else:
+                reply = await self._observe(collab, call, n, backward)  # checks the admission the call carries
+            if reply is None and backward:
+                # a task of its own, which the caller going away (its deadline passed) does not cancel: once the
+                # compute thread has begun, the gradient counts, so the admission stays spent and the reply is kept
+                # for the retry
+                job = asyncio.ensure_future(self._backward(worker, collab, call, deadline))
+                self._jobs.add(job)
+                job.add_done_callback(self._job_done)
+                reply = await asyncio.shield(job)
+            elif reply is None:
                 try:
-                    await collab.observe(call.meta, n, backward)  # checks the admission the call carries
-                except TicketSpent:  # a retry of a Backward whose reply did not reach the caller: the same reply
-                    if (replied := self.replies.get(ticket_key(call.meta))) is None:
-                        raise
-                    reply = replied
-            if reply is None:
-                try:
-                    compute = functools.partial(self._compute, call, backward, ticket)
-                    reply = await worker.submit(compute, deadline, request=True)
+                    reply = await worker.submit(functools.partial(self._compute, call, False, ticket), deadline, True)
                 except BaseException:
-                    if ticket is not None:  # admitted but never computed: it will not come back
+                    if ticket is not None:  # admitted but never computed (or never returned): it will not come back
                         collab.release(ticket.global_batch, n)
-                    elif backward:  # not accumulated: its admission may come again
-                        collab.unobserve(call.meta)
                     raise
-                if backward:
-                    if call.meta.admission_signature:
-                        self.replies.put(ticket_key(call.meta), reply)
-                    await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
         except WireError as e:
             self.requests_rejected += 1
             logger.warning("rejected %s request: %s", "Backward" if backward else "Forward", _short(str(e)))
@@ -337,6 +361,44 @@ class StageService:
             await refuse(context, *(refusal or (grpc.StatusCode.INTERNAL, "no reply")))
         for frame in reply:
             yield frame
+
+    async def _backward(self, worker: StageWorker, collab: Collaboration, call: Call, deadline: float | None):
+        key, kept = ticket_key(call.meta), bool(call.meta.admission_signature)  # a signed admission: kept for a retry
+        reply = None
+        if kept:
+            self.replies.computing(key)
+        try:
+            reply = await worker.submit(functools.partial(self._compute, call, True), deadline, request=True)
+        except BaseException:
+            collab.unobserve(call.meta)  # not accumulated: its admission may come again
+            raise
+        finally:
+            if kept:
+                self.replies.done(key, reply)
+        await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
+        return reply
+
+    def _job_done(self, job: asyncio.Future) -> None:
+        self._jobs.discard(job)
+        if not job.cancelled():
+            job.exception()  # the caller's call reports it; one whose caller went away needs no report
+
+    async def _observe(self, collab: Collaboration, call: Call, n: int, backward: bool) -> list[bytes] | None:
+        """Checks the call's admission (collab.observe). A Backward whose admission was spent here already is a
+        retry whose reply did not reach the caller: it gets that reply (kept, or awaited while the first attempt
+        computes), or is judged afresh if the first attempt failed before it counted."""
+        try:
+            await collab.observe(call.meta, n, backward)
+            return None
+        except TicketSpent:
+            try:
+                if (reply := await self.replies.recall(ticket_key(call.meta))) is None:
+                    raise
+                return reply
+            except Uncounted:
+                pass
+        await collab.observe(call.meta, n, backward)  # TicketSpent again if a third attempt took it meanwhile
+        return None
 
     async def _read(
         self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None, caller: str

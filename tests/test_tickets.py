@@ -2,7 +2,9 @@
 signed them for that microbatch (server/collab/tickets.py). Real in-process peers (tests/peers.py): one serving stage
 0, one serving stage 1 (the last), and calls made by hand as a hostile trainer would."""
 
+import asyncio
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -116,7 +118,8 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
 
 async def test_a_peer_that_missed_epochs_refuses_work_until_it_has_caught_up():
     """A stage peer at epoch e that gets a call stage 0 admitted at e + 2 or later missed epochs (it was frozen, say):
-    it answers UNAVAILABLE and computes nothing, rather than serve with parameters its stage has left behind."""
+    it answers UNAVAILABLE and computes nothing, rather than serve with parameters its stage has left behind. The
+    refusal does not spend the call's admission: a retry once the peer has caught up is served."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(last := await start_server(initial_peers, stage=1))
@@ -125,10 +128,57 @@ async def test_a_peer_that_missed_epochs_refuses_work_until_it_has_caught_up():
         worker = last.service.worker
         epoch, done = worker.epoch, worker.samples_processed
         ahead = signed_by(first.sdht.identity, "mb-9", epoch, epoch + 2)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "catching up" in refused.value.details()
+        for _ in range(2):  # the refusal spends nothing: the retry, here or on any peer, is judged afresh
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "catching up" in refused.value.details()
         assert (worker.epoch, worker.samples_processed) == (epoch, done)
         current = signed_by(first.sdht.identity, "mb-10", epoch, epoch)
         await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(current, "mb-10")))
         assert worker.samples_processed == done + B
+
+
+async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_its_reply():
+    """A trainer whose deadline passes while a stage computes its Backward retries: whether the retry comes while the
+    first attempt still computes or after it, the gradient counts once and every attempt gets the same reply."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        client = StageClient(CompressionPolicy(), WireStats(), max_tensor_bytes=1 << 24)
+        worker = last.service.worker
+        backward = worker.backward
+
+        def slow_backward(*args, **kwargs):  # the real Backward, after a pause that outlasts the caller's deadline
+            time.sleep(1.0)
+            return backward(*args, **kwargs)
+
+        try:
+            tickets = []
+            for microbatch_id in ("mb-1", "mb-2"):
+                tokens, _ = random_batch(MODEL, B)
+                reply = await client.call(
+                    first.record().address, "Forward", 0, microbatch_id, {"inputs": tokens}, (B, T, D), 30
+                )
+                tickets.append(reply.admission)
+            worker.backward = slow_backward
+            done = worker.samples_processed
+
+            # the caller gives up while the compute thread runs its Backward; the retry comes after it has counted
+            call = last_stage_backward(meta_of(tickets[0], "mb-1"))
+            with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+                await raw_call(last.record().address, "Backward", call, timeout=0.3)
+            assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_for_async(lambda: worker.samples_processed == done + B, 10, "the Backward to count")
+            retried = await raw_call(last.record().address, "Backward", call)
+            assert worker.samples_processed == done + B
+
+            # the retry comes while the first attempt still computes: it waits for that attempt's reply
+            call = last_stage_backward(meta_of(tickets[1], "mb-2"))
+            attempt = asyncio.ensure_future(raw_call(last.record().address, "Backward", call))
+            await asyncio.sleep(0.3)
+            again = await raw_call(last.record().address, "Backward", call)
+            assert again == await attempt and again != retried
+            assert worker.samples_processed == done + 2 * B
+        finally:
+            worker.backward = backward
+            await client.close()

@@ -401,8 +401,17 @@ class StageCollaboration:
         epoch `admitted_at`: stage 0 had then finished every epoch before it, so every microbatch of ours before it
         has passed us too. If we are still in such an epoch, end it now (before the call runs: the step is a control
         job and goes first). A peer several epochs behind (restarted from a checkpoint with the stage's other peers
-        gone) skips the epochs that have no samples of its own."""
+        gone) skips the epochs that have no samples of its own. A Backward refused here has not spent its admission:
+        its retry, here or on another peer, is judged afresh."""
         await self.tickets.check(meta, samples, backward)
+        try:
+            await self._observe(meta)
+        except BaseException:
+            if backward:
+                self.tickets.forget(meta)
+            raise
+
+    async def _observe(self, meta: pb.CallMeta) -> None:
         if self.phase is Phase.RECOVERING:
             raise Behind(f"stage {self.stage}: this peer is copying the stage's state; try another peer")
         if not meta.HasField("admitted_at"):
