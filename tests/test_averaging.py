@@ -2,6 +2,8 @@
 numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which swallows the error: step() returns and
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
+import os
+import signal
 import threading
 import time
 
@@ -245,6 +247,39 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
         assert took < 4, f"a round waiting for a member that never came took {took:.1f}s"
     finally:
         for averager in peers:
+            averager.shutdown()
+        for dht in (*dhts, boot):
+            dht.shutdown()
+
+
+def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
+    """After a failed round a peer copies the reference's state (server/collab/recovery.py). A reference that froze
+    (SIGSTOP: its connections stay open, nothing comes) holds the download only until the stage drops it, not for
+    the download's timeout; once it answers again, the download works."""
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(2)]
+    with forking():  # see run_round
+        a, b = (
+            StrictAverager(
+                averaged_tensors=[torch.full((1000,), float(i))], dht=dht, prefix="avgtest_download", start=True
+            )
+            for i, dht in enumerate(dhts)
+        )
+    b_id = str(dhts[1].peer_id)
+    try:
+        os.kill(b.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        dropped = started + 1.0  # when the stage would have dropped b (its --peer-timeout)
+        got = a.download_state(b_id, timeout=10, alive=lambda: time.monotonic() < dropped)
+        took = time.monotonic() - started
+        assert got is None and took < 2.5, f"the download from a frozen peer held us {took:.1f}s"
+        os.kill(b.pid, signal.SIGCONT)
+        got = a.download_state(b_id, timeout=10)
+        assert got is not None, "b sent no state once it answered again"
+        assert torch.equal(got[1][0], torch.full((1000,), 1.0))
+    finally:
+        os.kill(b.pid, signal.SIGCONT)
+        for averager in (a, b):
             averager.shutdown()
         for dht in (*dhts, boot):
             dht.shutdown()

@@ -29,8 +29,9 @@ import functools
 import hashlib
 import logging
 import signal
+import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import hivemind
 import torch
@@ -53,6 +54,7 @@ from dht.records import parse_p2p_id, signed_records
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
 LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an unknown peer makes us read the DHT
+DOWNLOAD_POLL_S = 0.1  # how often a state download checks that its peer is still a live peer of the stage
 FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
 
 
@@ -398,18 +400,28 @@ class StrictAverager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def download_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+    def download_state(
+        self, peer_id: str, timeout: float, alive: Callable[[], bool] = lambda: True
+    ) -> tuple[dict, list[torch.Tensor]] | None:
         """Any thread. The state of one named peer of the stage, or None if it did not send one (it is not sharing,
         or it is gone). Unlike `load_state_from_peers`, which downloads from whichever peer the DHT lists as sharing
         with the highest priority: after a failed round only the peer that stepped has the right state, and that DHT
-        record can lag behind the peers' real state by tens of seconds."""
+        record can lag behind the peers' real state by tens of seconds. Given up within DOWNLOAD_POLL_S once
+        `alive()` turns false (the stage dropped the peer: frozen or dead), so a silent peer holds us for the
+        stage's peer timeout, not `timeout`."""
         future: MPFuture = MPFuture()
         self._outer_pipe.send(("_download_state_from", [], dict(peer_id=peer_id, timeout=timeout, future=future)))
-        try:
-            return future.result(timeout=2 * timeout)
-        except TimeoutError:  # the peer, or our averager process, hung
-            logger.warning("%s sent no state within %.0fs", peer_id[-6:], 2 * timeout)
-            return None
+        deadline = time.monotonic() + 2 * timeout
+        while True:
+            try:
+                return future.result(timeout=DOWNLOAD_POLL_S)
+            except TimeoutError:
+                if not alive():
+                    logger.warning("%s stopped answering: its state download is abandoned", peer_id[-6:])
+                    return None
+                if time.monotonic() > deadline:  # the peer, or our averager process, hung
+                    logger.warning("%s sent no state within %.0fs", peer_id[-6:], 2 * timeout)
+                    return None
 
     async def _download_state_from(self, peer_id: str, timeout: float, future: MPFuture) -> None:
         """The averager's process: hivemind's state download RPC, addressed to one peer."""

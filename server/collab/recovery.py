@@ -221,7 +221,9 @@ class Recovery:
                 time.sleep(0.02)
                 continue
             loaded = self.averager.download_state(
-                self.peers.p2p_ids.get(reference, ""), timeout=self.cfg.averaging_timeout
+                self.peers.p2p_ids.get(reference, ""),
+                timeout=self.cfg.averaging_timeout,
+                alive=lambda: reference in self.peers.peers,
             )
             if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
                 self.load(*loaded)
