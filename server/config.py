@@ -284,9 +284,20 @@ class AveragingConfig:
         },
     )
     averaging_timeout: float = field(default=10.0, metadata={"help": "give up an all-reduce or state download after"})
+    robust_clip: float = field(
+        default=0.0,
+        metadata={
+            "help": "robust gradient all-reduce: the parts this peer reduces are CenteredClip's robust mean, which "
+            "bounds what a peer sending garbage can do to the stage's step, instead of the weighted mean; the clip "
+            "radius is this many times the median distance of the peers' parts to the most central one (0: off; "
+            "1 is a sound choice: tests/benchmarks/bench_robust.py; needs 3 or more peers in a round to act)"
+        },
+    )
 
     def __post_init__(self) -> None:
         self.compressed_stages(1)  # validates --allreduce-compress-stages
+        if not 0 <= self.robust_clip <= 1e6:
+            raise ValueError(f"--robust-clip must be 0 (off) or a positive factor, got {self.robust_clip}")
         for flag, codec in (("--param-average-codec", self.param_average_codec), ("--state-codec", self.state_codec)):
             if codec not in WHOLE_TENSOR_CODECS:
                 raise ValueError(f"{flag} must be one of {list(WHOLE_TENSOR_CODECS)}, got {codec!r}")

@@ -2,6 +2,7 @@
 numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which swallows the error: step() returns and
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
+import asyncio
 import os
 import signal
 import threading
@@ -18,30 +19,36 @@ from hivemind.utils import get_dht_time
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
-from server.collab.hivemind_compat import StrictAverager
+from server.collab.hivemind_compat import ClippedPartReducer, StrictAverager
 from swarm.compression import get_codec
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_round(averager_cls, codec: str, tensors: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+def run_round(
+    averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float = 0.0
+) -> list[list[torch.Tensor]]:
     """One all-reduce among len(tensors) peers (peer i has weight i + 1); returns each peer's tensors after it."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in tensors]
+    averagers = [
+        averager_cls(
+            averaged_tensors=[t.clone() for t in ts],
+            dht=dht,
+            prefix=f"avgtest_{averager_cls.__name__}_{codec}_{int(robust_clip)}",
+            start=False,
+            min_matchmaking_time=1.0,
+            request_timeout=0.5,
+            compression=hivemind_compression(get_codec(codec)),
+            target_group_size=len(tensors),
+        )
+        for ts, dht in zip(tensors, dhts, strict=True)
+    ]
     with forking():  # the children must not finalize what earlier tests left in this process (dht/forking.py)
-        averagers = [
-            averager_cls(
-                averaged_tensors=[t.clone() for t in ts],
-                dht=dht,
-                prefix=f"avgtest_{averager_cls.__name__}_{codec}",
-                start=True,
-                min_matchmaking_time=1.0,
-                request_timeout=0.5,
-                compression=hivemind_compression(get_codec(codec)),
-                target_group_size=len(tensors),
-            )
-            for ts, dht in zip(tensors, dhts, strict=True)
-        ]
+        for averager in averagers:
+            if robust_clip:
+                averager.robust_clip = robust_clip
+            averager.run_in_background(await_ready=True)
     try:
         when = get_dht_time() + 1.0
         results: list = [None] * len(tensors)
@@ -96,6 +103,55 @@ def test_stage_averager_hands_every_peer_the_same_average(codec):
             assert torch.equal(peer[k], results[0][k]), "peers hold different averages"
             err = ((peer[k] - expected).norm() / expected.norm()).item()
             assert err < (1e-6 if codec == "none" else 3e-2), err
+
+
+def test_robust_aggregation_bounds_a_peer_that_sends_garbage_and_peers_still_agree():
+    """--robust-clip: three honest peers and one whose gradient is huge (finite, so no check refuses it), with a
+    tenth of the weight. The weighted mean is ruined; the robust mean stays within the honest peers' spread of their
+    mean, and every peer ends bitwise equal. Without an outlier it stays close to the weighted mean."""
+    gen = torch.Generator().manual_seed(2)
+    honest = [torch.randn(20_000, generator=gen) * 0.1 + 1.0 for _ in range(3)]
+    garbage = torch.full((20_000,), 1e4)
+    weights = [2.0, 3.0, 4.0]  # run_round weighs peer i by i + 1: the garbage comes first
+    honest_mean = sum(w * t for w, t in zip(weights, honest, strict=True)) / sum(weights)
+    spread = max((t - honest_mean).norm() for t in honest)
+
+    results = run_round(StrictAverager, "none", [[t] for t in (garbage, *honest)], robust_clip=1.0)
+    for (got,) in results:
+        assert torch.equal(got, results[0][0]), "peers hold different averages"
+    off = (results[0][0] - honest_mean).norm()
+    plain = ((garbage + sum(w * t for w, t in zip(weights, honest, strict=True))) / 10 - honest_mean).norm()
+    assert off < spread < plain / 1000, (off, spread, plain)
+
+    (got,), *_ = run_round(StrictAverager, "none", [[t] for t in honest], robust_clip=1.0)
+    expected = sum((i + 1) * t for i, t in enumerate(honest)) / 6
+    assert ((got - expected).norm() / expected.norm()) < 0.01
+
+
+async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earlier_parts():
+    """ClippedPartReducer alone, two parts of 4 senders: the outlier's part is clipped and counted; a sender banned
+    after its first part is in that part's robust mean and not in the second's; a sender without weight is in no
+    median; with two senders left it is hivemind's weighted mean, to the bit."""
+    shape = torch.Size([1000])
+    gen = torch.Generator().manual_seed(3)
+    x = [torch.randn(1000, generator=gen) + 5 for _ in range(3)]
+    reducer = ClippedPartReducer([shape, shape], num_senders=4, clip=1.0)
+    first = await asyncio.gather(
+        *(reducer.accumulate_part(i, 0, t, weight=1.0) for i, t in enumerate(x)),
+        reducer.accumulate_part(3, 0, torch.full((1000,), 1e6), weight=1.0),
+    )
+    assert all(torch.equal(r, first[0]) for r in first)
+    assert (first[0] - sum(x) / 3).norm() < max((t - sum(x) / 3).norm() for t in x)
+    assert reducer.clipped == [0, 0, 0, 1]
+    reducer.on_sender_failed(3)  # banned after its first part: left out of the second
+    zero = reducer.accumulate_part(2, 1, torch.zeros(1000), weight=0.0)
+    second = await asyncio.gather(
+        reducer.accumulate_part(0, 1, x[0], 1.0), reducer.accumulate_part(1, 1, x[1], 3.0), zero
+    )
+    hivemind_mean = torch.zeros(1000).add_(x[0], alpha=1.0).add_(x[1], alpha=3.0).add_(torch.zeros(1000), alpha=0.0)
+    hivemind_mean.div_(4.0)
+    assert all(torch.equal(r, hivemind_mean) for r in second)
+    assert reducer.finished.is_set() and not reducer.received
 
 
 @pytest.mark.parametrize(

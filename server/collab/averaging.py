@@ -457,6 +457,7 @@ def build_averaging(
         allow_state_sharing=True,
         **common,
     )
+    averager.robust_clip = cfg.robust_clip
     parameters = None
     if cfg.param_average_every > 0:
         param_codec = policy.codec(TensorRole.PARAMETERS)

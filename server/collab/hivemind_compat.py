@@ -41,7 +41,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -54,6 +54,7 @@ from dht.records import parse_p2p_id, signed_records
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
 LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an unknown peer makes us read the DHT
+CLIP_ITERATIONS = 3  # CenteredClip's iterations (robust aggregation; its paper finds 1-3 enough from a good start)
 DOWNLOAD_POLL_S = 0.1  # how often a state download checks that its peer is still a live peer of the stage
 FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
 
@@ -107,6 +108,66 @@ class _FixedOrMatchmaking:
         return fixed if fixed is not None else await self.look_for_group(step)
 
 
+class ClippedPartReducer(TensorPartReducer):
+    """A reducer whose part is robust to a minority of senders sending garbage: CenteredClip (Karimireddy, He and
+    Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021), per part as in BTARD (Gorbunov et
+    al., 2022), weighted by the senders' weights. From the medoid v (the sent part with the least total distance to
+    the others: robust while fewer than half the senders attack, and, unlike the coordinate-wise median, cheap: a
+    tenth of the time on CPU), `iterations` times: v += sum_i w_i (x_i - v) min(1, tau / |x_i - v|), with tau =
+    `clip` times the median distance of the parts to the medoid. Honest parts, about as far from each other as from
+    the medoid, pass nearly unchanged; one far away moves the result by at most its weight times tau per
+    iteration, however large it is. With fewer than 3 senders nobody is an
+    outlier: the plain weighted mean. The reducer computes its part once and sends it to every peer, so peers still end
+    bitwise equal. `clipped`: per sender index, the parts it sent that were clipped to under half their distance."""
+
+    def __init__(self, part_shapes, num_senders: int, clip: float, iterations: int = CLIP_ITERATIONS):
+        self.clip, self.iterations = clip, iterations
+        self.received: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}  # part -> sender -> (part, weight)
+        self.clipped = [0] * num_senders
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if not self.finished.is_set():
+            self.received.setdefault(part_index, {})[sender_index] = (tensor_part, weight)
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            index = self.current_part_index
+            counted = [  # as the accumulator counted them: a sender banned later keeps the parts it had sent
+                (sender, *sent)
+                for sender, sent in self.received.pop(index, {}).items()
+                if index < self.sender_failed_after[sender]
+            ]
+            self.current_part_future.set_result(self._robust_mean(counted))
+            self.reset_accumulators()
+
+    def _robust_mean(self, parts: list[tuple[int, torch.Tensor, float]]) -> torch.Tensor:
+        parts = [part for part in parts if part[2] > 0]  # a peer without samples is in no median
+        if len(parts) < 3 or self.denominator <= 0:
+            return self.accumulator.div_(self.denominator)
+        x = torch.stack([part.flatten().float() for _, part, _ in parts])
+        w = torch.tensor([weight for _, _, weight in parts], dtype=torch.float32) / self.denominator
+        apart = torch.cdist(x[None], x[None], compute_mode="donot_use_mm_for_euclid_dist")[0]
+        start = int(apart.sum(dim=1).argmin())  # the medoid: a sent part, the closest to all others
+        v, tau = x[start], self.clip * apart[start].median()
+        for _ in range(self.iterations):
+            shift = x - v
+            distance = shift.norm(dim=1)
+            scale = (tau / distance.clamp_min(torch.finfo(torch.float32).tiny)).clamp(max=1.0)
+            v = v + (w * scale) @ shift
+        for (sender, _, _), s in zip(parts, scale.tolist(), strict=True):
+            self.clipped[sender] += s < 0.5
+        return v.view(self.accumulator.shape)
+
+    def finalize(self) -> None:
+        self.received.clear()
+        super().finalize()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """An all-reduce after which every peer holds the same averaged values, bit for bit.
 
@@ -118,9 +179,16 @@ class ExactAllReduceRunner(AllReduceRunner):
     peer. Peers running hivemind's own runner would send differences: the averagers' DHT prefix carries the protocol
     version, so they never meet."""
 
-    def __init__(self, **kwargs):
+    tensor_part_reducer: TensorPartReducer
+
+    def __init__(self, robust_clip: float = 0.0, **kwargs):
+        """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean."""
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
+        if robust_clip > 0:  # nothing has been reduced yet: the runner starts when awaited
+            reducer = self.tensor_part_reducer
+            self.tensor_part_reducer = ClippedPartReducer(reducer.part_shapes, reducer.num_senders, robust_clip)
+            reducer.finished.set()  # unused: dropped without hivemind's "received 0% of input tensors" warning
         self.reducer_failed = asyncio.Event()
 
     async def outputs(self, gather_timeout: float | None = None) -> list[torch.Tensor]:
@@ -215,6 +283,7 @@ class StrictAverager(DecentralizedAverager):
     # groups before we are told the members, and only the peers those records list (joining peers included) may
     # download our state: an uninvited libp2p peer that dials us directly gets nothing.
     listed_under: str | None = None
+    robust_clip = 0.0  # > 0: the parts this peer reduces are CenteredClip's robust mean (set before the process forks)
     _listed_read_at = float("-inf")
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
@@ -379,6 +448,7 @@ class StrictAverager(DecentralizedAverager):
         caller retries it."""
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
+            robust_clip=self.robust_clip,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -397,6 +467,12 @@ class StrictAverager(DecentralizedAverager):
             raise AllreduceException(f"{len(runner.banned_senders)} peers' values were left out of our part")
         for tensor, averaged in zip(tensors, outputs, strict=True):  # all or nothing: a failed round changes nothing
             tensor.copy_(averaged)
+        reducer = runner.tensor_part_reducer
+        if isinstance(reducer, ClippedPartReducer) and any(reducer.clipped):
+            logger.warning(
+                "robust aggregation clipped parts far from the others' (parts clipped by sender: %s)",
+                {str(p)[-6:]: n for p, n in zip(runner.sender_peer_ids, reducer.clipped, strict=True) if n},
+            )
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
