@@ -284,6 +284,7 @@ class StageService:
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
         if self.paused is not None:
             await refuse(context, grpc.StatusCode.UNAVAILABLE, self.paused)
+        started = time.monotonic()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         caller = caller_of(context)
@@ -359,8 +360,18 @@ class StageService:
         if refusal is not None or reply is None:
             call = None
             await refuse(context, *(refusal or (grpc.StatusCode.INTERNAL, "no reply")))
+        ready = time.monotonic()
         for frame in reply:
             yield frame
+        if logger.isEnabledFor(logging.DEBUG):  # SWARM_DEBUG=1: where a slow call spent its time
+            logger.debug(
+                "%s of %s from %s: reply ready after %.2fs, sent after %.2fs",
+                "Backward" if backward else "Forward",
+                call.meta.microbatch_id[:40] if call is not None else "?",
+                caller,
+                ready - started,
+                time.monotonic() - started,
+            )
 
     async def _backward(self, worker: StageWorker, collab: Collaboration, call: Call, deadline: float | None):
         key, kept = ticket_key(call.meta), bool(call.meta.admission_signature)  # a signed admission: kept for a retry
@@ -375,7 +386,13 @@ class StageService:
         finally:
             if kept:
                 self.replies.done(key, reply)
+        computed = time.monotonic()
         await collab.after_backward()  # publishes progress; may end the epoch (see server/collab/)
+        logger.debug(
+            "Backward of %s: computed, then its progress told in %.2fs",
+            call.meta.microbatch_id[:40],
+            time.monotonic() - computed,
+        )
         return reply
 
     def _job_done(self, job: asyncio.Future) -> None:

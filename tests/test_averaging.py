@@ -26,16 +26,17 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run_round(
-    averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float = 0.0
+    averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float = 0.0, max_weight: float = 0.0
 ) -> list[list[torch.Tensor]]:
-    """One all-reduce among len(tensors) peers (peer i has weight i + 1); returns each peer's tensors after it."""
+    """One all-reduce among len(tensors) peers (peer i has weight i + 1); returns each peer's tensors after it.
+    StrictAverager only: `robust_clip`, and `max_weight` (if > 0), set on every peer."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in tensors]
     averagers = [
         averager_cls(
             averaged_tensors=[t.clone() for t in ts],
             dht=dht,
-            prefix=f"avgtest_{averager_cls.__name__}_{codec}_{int(robust_clip)}",
+            prefix=f"avgtest_{averager_cls.__name__}_{codec}_{int(robust_clip)}_{int(max_weight)}",
             start=False,
             min_matchmaking_time=1.0,
             request_timeout=0.5,
@@ -48,6 +49,8 @@ def run_round(
         for averager in averagers:
             if robust_clip:
                 averager.robust_clip = robust_clip
+            if max_weight:
+                averager.max_weight = max_weight
             averager.run_in_background(await_ready=True)
     try:
         when = get_dht_time() + 1.0
@@ -126,6 +129,15 @@ def test_robust_aggregation_bounds_a_peer_that_sends_garbage_and_peers_still_agr
     (got,), *_ = run_round(StrictAverager, "none", [[t] for t in honest], robust_clip=1.0)
     expected = sum((i + 1) * t for i, t in enumerate(honest)) / 6
     assert ((got - expected).norm() / expected.norm()) < 0.01
+
+
+def test_a_peer_weighs_no_more_than_one_epoch_can_hold_whatever_it_declares():
+    """A peer's weight is its own word (its samples): each reducer caps it at what one epoch can hold (max_weight),
+    so a peer declaring 1e9 samples counts as the cap, not as the whole stage."""
+    a, b = torch.zeros(30_000), torch.full((30_000,), 10.0)
+    results = run_round(StrictAverager, "none", [[a], [b]], max_weight=1.5)  # b declares weight 2
+    for (got,) in results:
+        assert torch.allclose(got, (1.0 * a + 1.5 * b) / 2.5)
 
 
 async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earlier_parts():

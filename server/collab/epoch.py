@@ -95,6 +95,10 @@ class StageCollaboration:
         self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
         self.policy = averaging.policy()
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
+        # a peer's part weighs its samples in an epoch (gradients) or 1 (parameters): a larger weight is a lie, capped
+        self.averaging.state.max_weight = float(self._most_samples())
+        if self.averaging.parameters is not None:
+            self.averaging.parameters.averager.max_weight = 1.0
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)

@@ -28,6 +28,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import math
 import signal
 import time
 import typing
@@ -181,8 +182,11 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, robust_clip: float = 0.0, **kwargs):
-        """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean."""
+    def __init__(self, robust_clip: float = 0.0, max_weight: float = math.inf, **kwargs):
+        """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean.
+        `max_weight`: the most a sender weighs in the parts we reduce, whatever it declares (its samples: no more
+        than one epoch can hold); a weight that is negative, not finite, or changes between parts fails the round."""
+        self.max_weight = max_weight
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
         if robust_clip > 0:  # nothing has been reduced yet: the runner starts when awaited
@@ -244,7 +248,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """Reducer side: add each part a sender streams to the accumulator; answer with the part's average."""
-        part_index = 0
+        part_index, declared = 0, 0.0
         loop = asyncio.get_event_loop()
         try:
             async for part, weight, compression in amap_in_executor(
@@ -252,9 +256,18 @@ class ExactAllReduceRunner(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if not 0 <= weight < math.inf or (part_index and weight != declared):  # NaN too
+                    logger.warning(
+                        "%s sent a part weighing %r (a finite weight >= 0, the same for every part): its values are "
+                        "refused",
+                        str(self.sender_peer_ids[sender_index])[-6:],
+                        weight,
+                    )
+                    break  # banned (below): the round fails rather than average with a sign flipped or NaN
+                declared = weight
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, part, weight=weight
+                        sender_index, part_index, part, weight=min(weight, self.max_weight)
                     )
                     part_index += 1
                 except BannedException:
@@ -284,6 +297,7 @@ class StrictAverager(DecentralizedAverager):
     # download our state: an uninvited libp2p peer that dials us directly gets nothing.
     listed_under: str | None = None
     robust_clip = 0.0  # > 0: the parts this peer reduces are CenteredClip's robust mean (set before the process forks)
+    max_weight = math.inf  # the most a peer's part weighs in the parts we reduce (set before the process forks)
     _listed_read_at = float("-inf")
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
@@ -449,6 +463,7 @@ class StrictAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
             robust_clip=self.robust_clip,
+            max_weight=self.max_weight,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
