@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeGuard
 
 import grpc
 import torch
@@ -36,6 +37,7 @@ from trainer.schedule import MicrobatchResult, train_microbatch
 
 logger = logging.getLogger("swarm.trainer")
 ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch
+BEHIND_RETRY_S = 0.5  # after every peer of a stage refused, one or more of them because it was catching up
 LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
 INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
 
@@ -46,6 +48,16 @@ def _admission_refused(e: Exception) -> bool:
         isinstance(e, grpc.aio.AioRpcError)
         and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         and (e.details() or "").startswith("admission:")
+    )
+
+
+def _behind(e: Exception) -> TypeGuard[grpc.aio.AioRpcError]:
+    """The peer is copying its stage's state, or catching up on epochs it missed (server/collab/epoch.py `Behind`): it
+    serves again within seconds."""
+    return (
+        isinstance(e, grpc.aio.AioRpcError)
+        and e.code() == grpc.StatusCode.UNAVAILABLE
+        and (e.details() or "").startswith("behind:")
     )
 
 
@@ -158,7 +170,10 @@ class Trainer:
         admission: Admission | None = None,
     ) -> StageReply:
         router, tried, last_error, attempts = self.routers[stage], set[str](), None, 0
-        refused: set[str] = set()  # stage 0 peers whose share of the global batch was full
+        # peers that turned the call away without failing: stage 0 peers whose share of the global batch was full,
+        # and peers catching up with their stage
+        refused: set[str] = set()
+        behind = False
         give_up = time.monotonic() + self.cfg.request_timeout  # bounds how long refusals may go on
         n = next(iter(tensors.values())).shape[0]
         waiting = False
@@ -168,7 +183,7 @@ class Trainer:
                 if refused:  # every peer's share is full, or the counts were on their way: ask again shortly
                     if time.monotonic() > give_up:
                         raise MicrobatchLost(f"stage {stage} refused {method} for {self.cfg.request_timeout:.0f}s")
-                    await asyncio.sleep(ADMISSION_RETRY_S)
+                    await asyncio.sleep(BEHIND_RETRY_S if behind else ADMISSION_RETRY_S)
                     refused.clear()
                 tried.clear()  # every live peer failed once: try them again (attempts still bound the total)
                 continue
@@ -207,6 +222,12 @@ class Trainer:
                     # not a failure of the peer: no ban, no attempt
                     refused.add(peer_id)
                     tried.add(peer_id)
+                    continue
+                if _behind(e):  # the stage's other peers first, then this one again: no ban, no attempt
+                    logger.info("stage %d %s: %s", stage, method, e.details())
+                    refused.add(peer_id)
+                    tried.add(peer_id)
+                    behind = True
                     continue
                 timed_out = isinstance(e, asyncio.TimeoutError) or (
                     isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED

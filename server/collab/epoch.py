@@ -64,8 +64,8 @@ class AdmissionRefused(Exception):
 
 class Behind(Exception):
     """This peer is copying its stage's state, or a call shows it missed epochs of its stage (frozen for a while,
-    say): it must not compute with parameters the stage has left behind. The caller gets UNAVAILABLE and goes to
-    another peer while this one catches up."""
+    say): it must not compute with parameters the stage has left behind. The caller gets UNAVAILABLE ("behind: ...")
+    and goes to another peer while this one catches up, or comes back to it (trainer.py: not a failure of the peer)."""
 
 
 class Phase(enum.Enum):
@@ -417,13 +417,15 @@ class StageCollaboration:
 
     async def _observe(self, meta: pb.CallMeta) -> None:
         if self.phase is Phase.RECOVERING:
-            raise Behind(f"stage {self.stage}: this peer is copying the stage's state; try another peer")
+            raise Behind(f"behind: stage {self.stage}: this peer is copying the stage's state; try another peer")
         if not meta.HasField("admitted_at"):
             return
         admitted_at, epoch = meta.admitted_at, self.epoch
         if admitted_at >= epoch + 2 and self.peers.peers:  # alone, we skip the epochs instead (below)
             self._kick.set()  # the poller catches up from the peer furthest ahead
-            raise Behind(f"stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up")
+            raise Behind(
+                f"behind: stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up"
+            )
         if admitted_at <= epoch or self.phase is not Phase.ACCUMULATING:
             return
         logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
