@@ -17,17 +17,19 @@ def _retrieve(task: asyncio.Future) -> None:
 class ThrottledRead:
     """Event loop. `await read()` runs `fetch` unless a run is under way (then it waits for that one) or one started
     less than `interval` seconds ago (then it returns at once); it waits `timeout` seconds at most, and never raises
-    (a failed read leaves what the caller knew)."""
+    (a failed read leaves what the caller knew). It returns whether that read completed: False if it failed or is
+    still running (a DHT node that does not answer), so the caller can tell "not listed" from "could not look"."""
 
     def __init__(self, fetch: Callable[[], Awaitable[None]], interval: float, timeout: float):
         self.fetch, self.interval, self.timeout = fetch, interval, timeout
         self._task: asyncio.Future | None = None
         self._started = 0.0
 
-    async def __call__(self) -> None:
+    async def __call__(self) -> bool:
         if self._task is None or (self._task.done() and time.monotonic() - self._started > self.interval):
             self._started = time.monotonic()
             self._task = asyncio.ensure_future(self.fetch())
             self._task.add_done_callback(_retrieve)  # a read that fails after every caller gave up is not an error
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._task), self.timeout)
+        return self._task.done() and not self._task.cancelled() and self._task.exception() is None

@@ -23,7 +23,7 @@ import torch
 
 from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Behind, Collaboration, ProgressRefused
-from server.collab.tickets import Ticket, TicketRefused, TicketSpent, ticket_key
+from server.collab.tickets import Ticket, TicketRefused, TicketSpent, TicketUnchecked, ticket_key
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker, valid_lineage
 from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
@@ -335,7 +335,7 @@ class StageService:
             refusal = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except AdmissionRefused as e:
             refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-        except Behind as e:
+        except (Behind, TicketUnchecked) as e:
             refusal = grpc.StatusCode.UNAVAILABLE, str(e)
         except TicketRefused as e:
             self.requests_rejected += 1

@@ -5,13 +5,14 @@ signed them for that microbatch (server/collab/tickets.py). Real in-process peer
 import asyncio
 import dataclasses
 import time
+import types
 
 import grpc
 import pytest
 import torch
 
 from dht.identity import Identity
-from server.collab.tickets import ticket_bytes
+from server.collab.tickets import READ_INTERVAL_S, TicketRefused, Tickets, TicketUnchecked, ticket_bytes
 from server.service import ReplyCache
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
@@ -182,3 +183,28 @@ async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_i
         finally:
             worker.backward = backward
             await client.close()
+
+
+async def test_a_signer_we_could_not_look_up_is_unchecked_not_refused():
+    """A call signed by a key this peer does not know: if its DHT read of stage 0 completed and does not list the key,
+    PERMISSION_DENIED (a forgery); if the read failed (a DHT node that does not answer), we cannot tell, so the call
+    is UNAVAILABLE ("behind: ...", the trainer asks again without a ban) and nothing is spent."""
+    stranger = Identity()
+    meta = meta_of(signed_by(stranger, "mb-1", 3, 3))
+    answers: list = []
+
+    async def discover(stage: int, include_pending: bool = False):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    tickets = Tickets(types.SimpleNamespace(discover=discover), timeout=1.0)
+    answers.append(TimeoutError("the DHT did not answer"))
+    with pytest.raises(TicketUnchecked, match="^behind:"):
+        await tickets.check(meta, B, backward=True)
+    assert not tickets.spent
+    await asyncio.sleep(READ_INTERVAL_S)  # the next read may run
+    answers.append([])  # the DHT answered: no stage-0 peer has this key
+    with pytest.raises(TicketRefused, match="does not list"):
+        await tickets.check(meta, B, backward=True)

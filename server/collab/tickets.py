@@ -44,6 +44,12 @@ class TicketRefused(Exception):
     computed."""
 
 
+class TicketUnchecked(Exception):
+    """A call signed by a key we do not know, and our DHT read of stage 0's records did not complete (a DHT node that
+    does not answer): we cannot tell a forgery from a stage-0 peer we have not heard of. UNAVAILABLE ("behind: ..."),
+    nothing computed; the caller asks again, here or elsewhere, without counting it against us."""
+
+
 class TicketSpent(TicketRefused):
     """A Backward whose ticket a Backward here has used already: its gradient is counted. A retry after a reply that
     was lost gets that reply again if the server still has it (service.py), else PERMISSION_DENIED."""
@@ -95,9 +101,12 @@ class Tickets:
         if not meta.admitted_by or not meta.admission_signature:
             raise TicketRefused("admission: not signed (CallMeta.admitted_by, admission_signature)")
         key = self.signers.get(meta.admitted_by)
+        read = True
         if key is None:
-            await self._read()
+            read = await self._read()
             key = self.signers.get(meta.admitted_by)
+        if key is None and not read:
+            raise TicketUnchecked("behind: cannot check this admission's signer yet (our DHT read of stage 0 failed)")
         if key is None:
             raise TicketRefused(
                 f"admission: signed by {meta.admitted_by[:40]!r}, which the DHT does not list on stage 0"
