@@ -132,8 +132,9 @@ def test_robust_aggregation_bounds_a_peer_that_sends_garbage_and_peers_still_agr
 
 
 def test_a_peer_weighs_no_more_than_one_epoch_can_hold_whatever_it_declares():
-    """A peer's weight is its own word (its samples): each reducer caps it at what one epoch can hold (max_weight),
-    so a peer declaring 1e9 samples counts as the cap, not as the whole stage."""
+    """A peer's weight is its own word (its samples): each reducer caps every sender's weight, its own included, at
+    what one epoch can hold (max_weight), so a peer declaring 1e9 samples counts as the cap, not as the whole stage,
+    whichever peer reduces which part (CI once had b reduce everything, with its own weight uncapped)."""
     a, b = torch.zeros(30_000), torch.full((30_000,), 10.0)
     results = run_round(StrictAverager, "none", [[a], [b]], max_weight=1.5)  # b declares weight 2
     for (got,) in results:

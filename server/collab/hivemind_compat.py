@@ -240,8 +240,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_running_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part, weight=self.weight
+            averaged = await self.tensor_part_reducer.accumulate_part(  # capped as a remote sender's would be
+                sender_index, part_index, part, weight=min(self.weight, self.max_weight)
             )
             as_sent = await loop.run_in_executor(None, self._as_sent, averaged)  # codec work off the event loop
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
