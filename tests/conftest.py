@@ -122,3 +122,20 @@ def await_chain(coro) -> list[str]:
             lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
     return lines
+
+
+_EXIT_STATUS = [0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS[0] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The run ends when pytest is done, whatever a failed test left behind: a thread of an averager it never shut
+    down kept the interpreter alive after the summary once, and CI would have waited for its 90-minute cap. Children
+    of such a test die with us (dht/reaper.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[0])
