@@ -108,9 +108,6 @@ class ReplyCache:
         self._replies: collections.OrderedDict[tuple, list[bytes]] = collections.OrderedDict()
         self._computing: dict[tuple, asyncio.Future[list[bytes] | None]] = {}
 
-    def get(self, key: tuple) -> list[bytes] | None:
-        return self._replies.get(key)
-
     async def recall(self, key: tuple) -> list[bytes] | None:
         """The reply of the Backward that spent `key` here: kept, or awaited while it computes. None if none is kept
         (forgotten, or computed by an earlier run of this server); raises Uncounted if that Backward failed before
