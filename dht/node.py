@@ -36,6 +36,28 @@ logger = logging.getLogger(__name__)
 RELAY_MODES = ("use", "reserve", "no-listen", "serve")
 
 
+def _static_relays_only(make_args):
+    """hivemind's p2pd command line, with `-relayDiscovery=false` wherever it passes `-trustedRelays`.
+
+    With relay discovery on (the daemon's default; hivemind has no parameter for it), libp2p's autorelay takes its
+    candidates from a feed and waits for four of them, or for its three-minute boot delay, before it reserves a
+    slot: a server behind NAT was unreachable for 208-230 s after it started (measured on loopback and behind a
+    masquerading router). With static relays only (our bootstrap peers), it reserves as soon as libp2p finds the node
+    private."""
+
+    def with_static_relays(*args, **kwargs):
+        if "trustedRelays" in kwargs:
+            kwargs.setdefault("relayDiscovery", False)
+        return make_args(*args, **kwargs)
+
+    with_static_relays.static_relays_only = True  # type: ignore[attr-defined]
+    return with_static_relays
+
+
+if not getattr(P2P._make_process_args, "static_relays_only", False):
+    P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
+
+
 def start_dht(
     initial_peers: Sequence[str] = (),
     host: str = "127.0.0.1",
@@ -56,9 +78,9 @@ def start_dht(
     dials peers behind NAT through relays; "reserve" also finds a relay to be reached through when we are behind NAT
     (servers); "no-listen" accepts no inbound connection at all, reachable through relays only (how tests emulate a
     home router); "serve" says this node is publicly reachable, so that it relays for others at once (a bootstrap
-    node on a public machine: libp2p relays only for a node it finds public). A node behind NAT holds its reservation
-    on its bootstrap peers (the daemon's trusted relays) about 3.5 minutes after it starts (libp2p's autorelay waits
-    for more candidates first; measured on loopback: 208 s)."""
+    node on a public machine: libp2p relays only for a node it finds public). A node behind NAT reserves a slot on
+    its bootstrap peers (the daemon's static relays) once libp2p's AutoNAT finds it private: about 40 s behind a
+    masquerading router (tests/netns.py), at once with "no-listen"."""
     if relay not in RELAY_MODES:
         raise ValueError(f"relay mode {relay!r} is not one of {RELAY_MODES}")
     # hivemind selects torch's "file_system" sharing at import, which starts a torch_shm_manager daemon per process
@@ -71,6 +93,8 @@ def start_dht(
         host_maddrs=[] if relay == "no-listen" else listen_multiaddrs(host, port),
         no_listen=relay == "no-listen",
         use_auto_relay=relay != "use",
+        # reserve on our bootstrap peers at once (see _static_relays_only); a node with no peer relays for nobody
+        trusted_relays=list(initial_peers) if relay in ("reserve", "no-listen") and initial_peers else None,
         # libp2p reserves a relay slot only once it knows the node private; with no address, AutoNAT never finds out
         force_reachability={"serve": "public", "no-listen": "private"}.get(relay),
         client_mode=client_mode,

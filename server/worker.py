@@ -400,6 +400,9 @@ class StageWorker:
         n = meta["n_params"]
         if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
             raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
+        if len(tensors) != n + len(meta["slots"]):  # a stream that ended early (seen through a relay) is cut short
+            raise ValueError(f"the state is incomplete: {len(tensors)} tensors where its metadata lists "
+                             f"{n + len(meta['slots'])}")  # fmt: skip
         self._check_optimizer_settings(meta["param_groups"])
         if not all_finite(tensors):
             raise ValueError("downloaded state has non-finite values")

@@ -152,7 +152,7 @@ def test_a_step_never_leaves_parameters_non_finite():
     assert all(torch.equal(a, b) for a, b in zip(worker.params, params, strict=True))
 
 
-def test_a_state_with_other_settings_or_non_finite_values_is_not_loaded():
+def test_a_state_with_other_settings_non_finite_values_or_missing_tensors_is_not_loaded():
     cfg = tiny_test()
     donor = StageWorker(Stage(cfg, 0), OptimizerConfig(lr=1.0), ComputeConfig(), CPU)
     joiner = StageWorker(Stage(cfg, 0), OptimizerConfig(), ComputeConfig(), CPU)
@@ -169,6 +169,13 @@ def test_a_state_with_other_settings_or_non_finite_values_is_not_loaded():
         joiner.load_state(meta, tensors)
     assert joiner.digest() == start
     joiner.load_state(*joiner.state_tensors())  # its own: fine
+    joiner.apply_gradients([torch.ones_like(p) for p in joiner.params], end_epoch=True)  # optimizer state now
+    stepped = joiner.digest()
+    meta, tensors = joiner.state_tensors()
+    assert meta["slots"]
+    with pytest.raises(ValueError, match="incomplete"):  # a download cut short: it used to raise KeyError('step')
+        joiner.load_state(meta, tensors[:-1])
+    assert joiner.digest() == stepped
 
 
 async def test_malformed_unary_calls_and_huge_names_get_short_invalid_argument():

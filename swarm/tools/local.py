@@ -255,6 +255,8 @@ class LocalSwarm:
         self.model_args = model_args or []
         self.children: dict[str, Child] = {}
         self.initial_peers: list[str] = []
+        # child name -> the network namespace it runs in (`ip netns exec`; tests of NAT build their own namespaces)
+        self.namespaces: dict[str, str] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
         self.key_args: list[str] = []  # --swarm-key FILE for every peer of a private swarm
         if private:
@@ -270,8 +272,9 @@ class LocalSwarm:
     def spawn(self, name: str, module: str, args: list[str]) -> Child:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
+            namespace = ["ip", "netns", "exec", self.namespaces[name]] if name in self.namespaces else []
             proc = subprocess.Popen(
-                dying_with_parent(["-m", module, *args]),
+                [*namespace, *dying_with_parent(["-m", module, *args])],  # ip netns exec execs: the pid stays ours
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
