@@ -3,23 +3,28 @@ numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which 
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
 import asyncio
+import math
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
-from server.collab.hivemind_compat import ClippedPartReducer, StrictAverager
+from server.collab.hivemind_compat import ClippedPartReducer, ExactAllReduceRunner, StrictAverager
 from swarm.compression import get_codec
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,6 +170,32 @@ async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earl
     hivemind_mean.div_(4.0)
     assert all(torch.equal(r, hivemind_mean) for r in second)
     assert reducer.finished.is_set() and not reducer.received
+
+
+@pytest.mark.parametrize("weights", [[-1.0], [math.nan], [math.inf], [1.0, 2.0]])
+async def test_a_sender_whose_weight_is_negative_not_finite_or_changing_is_refused_and_banned(weights):
+    """The reducer's side of the weight rules. hivemind's sender asserts weight >= 0 only on its own side, so a
+    hostile peer's parts are written here by hand, as its AveragingData messages: a part whose weight is negative
+    (it would flip the sign of its values), NaN or infinite, or differs from the weight of the sender's earlier
+    parts, is not accumulated and its sender is banned (the round then fails: parts not averaged). Parts before it
+    were reduced as usual."""
+    shape = torch.Size([100])
+    parts = [torch.full(shape, float(i + 1)) for i in range(len(weights))]
+    runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)  # only the reducer's side: no group, no network
+    runner.tensor_part_reducer = TensorPartReducer([shape] * len(parts), num_senders=1)
+    runner.tensor_part_container = SimpleNamespace(prefetch=1)
+    runner.sender_peer_ids, runner.banned_senders, runner.banlock = [PeerID(b"h" * 34)], set(), asyncio.Lock()
+    runner.max_weight = math.inf
+
+    async def stream():
+        for part, weight in zip(parts, weights, strict=True):
+            yield averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(part), weight=weight)
+
+    replies = [msg async for msg in runner._accumulate_parts_streaming(stream(), 0)]
+    assert runner.banned_senders == {runner.sender_peer_ids[0]}
+    assert len(replies) == len(weights) - 1  # every part before the bad one was averaged; the bad one was not
+    for reply, part in zip(replies, parts, strict=False):
+        assert torch.equal(deserialize_torch_tensor(reply.tensor_part), part)
 
 
 @pytest.mark.parametrize(
