@@ -4,6 +4,7 @@ garbage and private swarms' proofs."""
 import asyncio
 import functools
 import re
+import time
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from dht.node import start_dht
 from dht.records import ServerRecord
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import SwarmKey
-from swarm.protocol.p2p import MESSAGE, P2PStub, circuit_through, handler_name, serve
+from swarm.protocol.p2p import MESSAGE, P2PStub, circuit_through, handler_name, path_of, serve
 from swarm.protocol.rpc import Channels
 from swarm.tools.local import LocalSwarm
 from tests import netns
@@ -204,7 +205,9 @@ def test_a_server_behind_a_masquerading_router_serves_through_the_bootstrap_node
             swarm.namespaces["server-s1-home"] = net.home
             public = ["--host", netns.WAN_HOST]
             swarm.start_dht(["--public", *public])
-            swarm.start_server("server-s0", 0, [*flags, *public])
+            s0 = swarm.start_server("server-s0", 0, [*flags, *public])
+            wait_for(lambda: "serving at" in s0.log_path.read_text(), 90, "stage 0's server")
+            time.sleep(3)  # its record announced: --stage auto then sees stage 1 empty
             home = swarm.start_server("server-s1-home", "auto", [*flags, "--host", "0.0.0.0"])  # the volunteer's
             wait_for(lambda: "serving over libp2p instead" in home.log_path.read_text(), 90, "the home server's check")
             log = home.log_path.read_text()
@@ -212,6 +215,8 @@ def test_a_server_behind_a_masquerading_router_serves_through_the_bootstrap_node
             assert re.search(r"NOT reachable: (\d) of \1 swarm peers could not dial our Stage service", log), log
             wait_for(lambda: "stage 1/2 on cpu" in home.log_path.read_text(), 30, "--stage auto to choose stage 1")
             trains_through(swarm, home)
+            trainer_log = (tmp_path / "trainer-0.log").read_text()
+            assert f"over libp2p through relay /ip4/{netns.WAN_HOST}/tcp/" in trainer_log, trainer_log[-3000:]
             late = swarm.start_server("server-s1-public", 1, [*flags, *public])
             wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, "the public server's join")
             for server in (home, late):
@@ -243,6 +248,13 @@ def test_a_server_with_no_inbound_connection_serves_through_the_relay(tmp_path):
         swarm.stop(["trainer-0"])
         stats = swarm.trainer_stats()[0]
         assert stats["steps"] >= 16 and stats["lost_microbatches"] == 0, stats
+
+
+def test_a_callers_log_says_whether_it_reaches_a_peer_directly_or_through_a_relay():
+    relay = "/ip4/11.0.0.1/tcp/4001/p2p/12D3KooWDWynKPhbrs1YpSKuQQapbRKaVveTYKtcqK2LdkK9LfgL"
+    assert path_of([f"{relay}/p2p-circuit"]) == f"through relay {relay}"
+    assert path_of(["/ip4/11.0.0.2/tcp/5000", f"{relay}/p2p-circuit"]) == "directly at /ip4/11.0.0.2/tcp/5000"
+    assert path_of([]) == "not connected"
 
 
 def test_a_relay_address_is_the_relays_own_with_p2p_circuit_and_a_bare_peer_id():

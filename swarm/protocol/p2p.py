@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
@@ -53,6 +54,9 @@ P2P_CODE, CIRCUIT_CODE = 421, 290  # multiaddr protocol codes of /p2p/<id> and /
 # through (set by SwarmDHT.start from --initial-peers)
 RELAYS: list[str] = []
 REFUSALS = access.Refusals()  # calls refused for want of the private swarm's key
+PATH_CHECK_S = 60.0  # how often a caller looks again at how it reaches a peer (directly or relayed), and logs changes
+_paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
+_checks: set[asyncio.Task] = set()  # running path checks (asyncio keeps only weak references to tasks)
 
 
 class _Maddr:
@@ -104,12 +108,38 @@ async def _dial_through_relays(p2p, peer) -> str | None:
 async def _open(p2p, peer, name: str):
     """A stream to `peer`'s handler `name`: directly, or (when routing finds no address) through a relay."""
     try:
-        return await p2p.call_binary_stream_handler(peer, name)
+        stream = await p2p.call_binary_stream_handler(peer, name)
     except Exception as e:
         if "routing: not found" not in str(e) or (relay := await _dial_through_relays(p2p, peer)) is None:
             raise
-    logger.info("reached %s through relay %s", peer, relay)
-    return await p2p.call_binary_stream_handler(peer, name)
+        logger.info("dialled %s through relay %s", peer, relay)
+        stream = await p2p.call_binary_stream_handler(peer, name)
+    key = str(peer)
+    if time.monotonic() - _paths.get(key, (-math.inf, ""))[0] > PATH_CHECK_S:
+        _paths[key] = (time.monotonic(), _paths.get(key, (0.0, ""))[1])
+        task = asyncio.create_task(_log_path(p2p, peer))
+        _checks.add(task)
+        task.add_done_callback(_checks.discard)
+    return stream
+
+
+def path_of(addresses: Iterable[object]) -> str:
+    """How our daemon's connections to a peer (their remote multiaddrs) reach it, in words."""
+    relayed = [str(a).partition("/p2p-circuit")[0] for a in addresses if "/p2p-circuit" in str(a)]
+    direct = [str(a) for a in addresses if "/p2p-circuit" not in str(a)]
+    if direct:
+        return f"directly at {', '.join(sorted(direct))}"
+    return f"through relay {', '.join(sorted(relayed))}" if relayed else "not connected"
+
+
+async def _log_path(p2p, peer) -> None:
+    """Logs how we reach `peer` when that changed since we last looked (the first time, too)."""
+    with contextlib.suppress(Exception):  # a daemon that went away: the call itself says so
+        conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
+        path = path_of([a for addrs in conns for a in addrs])
+        if path != _paths[str(peer)][1]:
+            _paths[str(peer)] = (time.monotonic(), path)
+            logger.info("reaching %s over libp2p %s", peer, path)
 
 
 def handler_name(method: str) -> str:
