@@ -191,7 +191,7 @@ class StageCollaboration:
     async def start(self) -> None:
         """Start watching the stage. Call after `join` (and any checkpoint load)."""
         self.averaging.state.state_sharing_priority = self.worker.param_version
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.recovery.loop = asyncio.get_running_loop()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:

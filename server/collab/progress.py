@@ -165,6 +165,23 @@ class StagePeers:
             await self._drop(peer_id, address, hold=self.heard_from(peer_id))
             return None
 
+    async def probe(self, peer_id: str) -> bool:
+        """Whether a live peer of the stage answers an Info call within the peer timeout. One that does not is dropped
+        as a Progress it does not take drops it: a peer waiting for it (to copy its state after a failed round)
+        learns within seconds that it froze, instead of when some Progress next goes its way."""
+        address = self.peers.get(peer_id)
+        if address is None:
+            return False
+        try:
+            await self._channels.stub(address).info(pb.InfoRequest(), timeout=self.peer_timeout)
+            return True
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive (a private swarm's refusal)
+                return True
+            logger.info("stage peer %s did not answer (%s); dropping it from the group", address, e.code().name)
+            await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+            return False
+
     async def _drop(self, peer_id: str, address: str, hold: bool) -> None:
         """Leave a peer out of the group; `hold`: even while the DHT lists it, until it speaks again or
         UNREACHABLE_HOLD_S pass."""

@@ -23,6 +23,7 @@ from server.worker import StageWorker, state_digest
 
 logger = logging.getLogger(__name__)
 UNUSABLE_STATE = (ValueError, KeyError, TypeError, AttributeError)  # what loading a malformed state raises
+PROBE_S = 1.0  # how often a peer waiting for the stage's reference to step asks whether it still answers
 
 
 def catch_up_source(my_epoch: int, epochs: dict[str, int], me: str, diverged: bool) -> tuple[str | None, bool]:
@@ -64,6 +65,7 @@ class Recovery:
             pool,
         )
         self.downloads = 0  # states loaded from peers
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's (set at start), for the compute thread
 
     async def join(self) -> bool:
         """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
@@ -216,7 +218,12 @@ class Recovery:
     def _copy_once_stepped(self, reference: str, epoch: int, deadline: float) -> bool:
         """Compute thread: wait for `reference` to step past `epoch` and load its state (True); False once it is
         no longer a live peer of the stage, or at `deadline`."""
+        probed = time.monotonic()
         while time.monotonic() < deadline and reference in self.peers.peers:
+            if time.monotonic() - probed > PROBE_S:  # nobody else may be calling it meanwhile: is it frozen?
+                self._probe(reference)
+                probed = time.monotonic()
+                continue
             if self.peers.epochs_of().get(reference, epoch) <= epoch:
                 time.sleep(0.02)
                 continue
@@ -232,3 +239,12 @@ class Recovery:
         if reference not in self.peers.peers:
             logger.warning("stage %d epoch %d: %s stopped answering; choosing again", self.stage, epoch, reference[-6:])
         return False
+
+    def _probe(self, peer_id: str) -> None:
+        """Compute thread: asks `peer_id` whether it answers (the stage drops it if not); waits at most the peer
+        timeout and a second."""
+        if self.loop is None:
+            return
+        probe = asyncio.run_coroutine_threadsafe(self.peers.probe(peer_id), self.loop)
+        with contextlib.suppress(Exception):  # a slow event loop: the next probe asks again
+            probe.result(timeout=self.peers.peer_timeout + 1.0)
