@@ -119,8 +119,12 @@ class ReplyCache:
         return self._replies.get(key)
 
     def computing(self, key: tuple) -> None:
-        """A Backward that spent `key` begins; `done` must follow, whatever happens."""
+        """A Backward spent `key` here (it may still wait for its epoch, or for the compute thread); `done` must
+        follow, whatever happens."""
         self._computing[key] = asyncio.get_running_loop().create_future()
+
+    def is_computing(self, key: tuple) -> bool:
+        return key in self._computing
 
     def done(self, key: tuple, frames: list[bytes] | None) -> None:
         """The Backward that spent `key` replied `frames`, or failed before it counted (None)."""
@@ -371,10 +375,9 @@ class StageService:
             )
 
     async def _backward(self, worker: StageWorker, collab: Collaboration, call: Call, deadline: float | None):
-        key, kept = ticket_key(call.meta), bool(call.meta.admission_signature)  # a signed admission: kept for a retry
+        """After `_observe` registered the call's admission as computing (if it spent one here)."""
+        key, kept = ticket_key(call.meta), self.replies.is_computing(ticket_key(call.meta))
         reply = None
-        if kept:
-            self.replies.computing(key)
         try:
             reply = await worker.submit(functools.partial(self._compute, call, True), deadline, request=True)
         except BaseException:
@@ -400,9 +403,10 @@ class StageService:
     async def _observe(self, collab: Collaboration, call: Call, n: int, backward: bool) -> list[bytes] | None:
         """Checks the call's admission (collab.observe). A Backward whose admission was spent here already is a
         retry whose reply did not reach the caller: it gets that reply (kept, or awaited while the first attempt
-        computes), or is judged afresh if the first attempt failed before it counted."""
+        waits for its epoch or computes), or is judged afresh if the first attempt failed before it counted. A
+        Backward that spends its admission here is registered as computing from that moment (`_backward` ends it)."""
         try:
-            await collab.observe(call.meta, n, backward)
+            await self._observe_once(collab, call, n, backward)
             return None
         except TicketSpent:
             try:
@@ -411,8 +415,24 @@ class StageService:
                 return reply
             except Uncounted:
                 pass
-        await collab.observe(call.meta, n, backward)  # TicketSpent again if a third attempt took it meanwhile
+        await self._observe_once(collab, call, n, backward)  # TicketSpent again if a third attempt took it meanwhile
         return None
+
+    async def _observe_once(self, collab: Collaboration, call: Call, n: int, backward: bool) -> None:
+        key = ticket_key(call.meta)
+        spent = False
+
+        def on_spent() -> None:
+            nonlocal spent
+            spent = True
+            self.replies.computing(key)
+
+        try:
+            await collab.observe(call.meta, n, backward, on_spent=on_spent if call.meta.admission_signature else None)
+        except BaseException:
+            if spent:  # refused, or its caller went away, before it counted: the admission is free again
+                self.replies.done(key, None)
+            raise
 
     async def _read(
         self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None, caller: str

@@ -197,6 +197,64 @@ async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_i
             await client.close()
 
 
+async def test_a_retry_that_comes_while_the_first_attempt_waits_for_its_epoch_waits_for_it_too():
+    """Between spending its admission and reaching the compute thread, a Backward can wait for seconds (it ends the
+    epoch and tells the stage's peers first; CI lost a microbatch here: every retry was refused "spent" while
+    nothing was computing or kept). A retry in that window now waits for the first attempt: it gets the first
+    attempt's reply if that one computes, or is judged afresh (and computed once) if its caller went away first."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        client = StageClient(CompressionPolicy(), WireStats(), max_tensor_bytes=1 << 24)
+        collab, worker = last.collab, last.service.worker
+        observe = collab._observe
+        parked, release, parking = asyncio.Event(), asyncio.Event(), [True]
+
+        async def parked_observe(meta):  # the first attempt, its admission spent, waits as if for its epoch
+            if parking[0]:
+                parking[0] = False
+                parked.set()
+                await release.wait()
+            return await observe(meta)
+
+        try:
+            calls = []
+            for microbatch_id in ("mb-3", "mb-4"):
+                tokens, _ = random_batch(MODEL, B)
+                reply = await client.call(
+                    first.record().address, "Forward", 0, microbatch_id, {"inputs": tokens}, (B, T, D), 30
+                )
+                calls.append(last_stage_backward(meta_of(reply.admission, microbatch_id)))
+            collab._observe = parked_observe
+            done = worker.samples_processed
+
+            # the first attempt computes once released: the retry gets its reply
+            attempt = asyncio.ensure_future(raw_call(last.record().address, "Backward", calls[0], timeout=60))
+            await asyncio.wait_for(parked.wait(), 30)
+            retry = asyncio.ensure_future(raw_call(last.record().address, "Backward", calls[0], timeout=60))
+            await asyncio.sleep(0.5)  # the retry is waiting, not refused
+            assert not retry.done()
+            release.set()
+            assert await retry == await attempt
+            assert worker.samples_processed == done + B
+
+            # the first attempt's caller goes away while it waits: the retry is judged afresh and computed once
+            parked.clear(), release.clear()
+            parking[0] = True
+            attempt = asyncio.ensure_future(raw_call(last.record().address, "Backward", calls[1], timeout=60))
+            await asyncio.wait_for(parked.wait(), 30)
+            retry = asyncio.ensure_future(raw_call(last.record().address, "Backward", calls[1], timeout=60))
+            await asyncio.sleep(0.5)
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+            assert await retry
+            assert worker.samples_processed == done + 2 * B
+        finally:
+            collab._observe = observe
+            release.set()
+            await client.close()
+
+
 async def test_a_signer_we_could_not_look_up_is_unchecked_not_refused():
     """A call signed by a key this peer does not know: if its DHT read of stage 0 completed and does not list the key,
     PERMISSION_DENIED (a forgery); if the read failed (a DHT node that does not answer), we cannot tell, so the call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from server.collab.lowrank import LowRankState
@@ -78,9 +79,12 @@ class Collaboration(Protocol):
         Returns the global batch it joins and the epoch now, signed for the microbatch's later calls."""
         ...
 
-    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+    async def observe(
+        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+    ) -> None:
         """Before every call but stage 0's admissions: check the admission the call carries (raises TicketRefused) and
-        act on it."""
+        act on it. `on_spent`: called as soon as a Backward's admission is marked spent here, before anything else
+        is awaited (a retry that comes meanwhile then waits for this attempt instead of being refused)."""
         ...
 
     def release(self, batch: int, n: int) -> None:
@@ -148,7 +152,9 @@ class LocalSteps:
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
         return Ticket(self.epoch, self.epoch)  # one peer, stepping when it has the global batch: nothing to check
 
-    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+    async def observe(
+        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+    ) -> None:
         pass
 
     def release(self, batch: int, n: int) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -399,16 +400,20 @@ class StageCollaboration:
         self._admission.set()
         await self._broadcast(end_epoch=False)
 
-    async def observe(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
+    async def observe(
+        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+    ) -> None:
         """Event loop, before every call but stage 0's admissions: raises TicketRefused unless the call's admission is
         signed by a stage-0 peer (tickets.py; a Backward must have one). The microbatch was admitted at stage 0's
         epoch `admitted_at`: stage 0 had then finished every epoch before it, so every microbatch of ours before it
         has passed us too. If we are still in such an epoch, end it now (before the call runs: the step is a control
         job and goes first). A peer several epochs behind (restarted from a checkpoint with the stage's other peers
         gone) skips the epochs that have no samples of its own. A Backward refused here has not spent its admission:
-        its retry, here or on another peer, is judged afresh."""
+        its retry, here or on another peer, is judged afresh. `on_spent`: see Collaboration.observe."""
         await self.tickets.check(meta, samples, backward)
         try:
+            if backward and on_spent is not None:
+                on_spent()
             await self._observe(meta)
         except BaseException:
             if backward:
