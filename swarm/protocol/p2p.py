@@ -116,6 +116,8 @@ async def _open(p2p, peer, name: str):
         stream = await p2p.call_binary_stream_handler(peer, name)
     key = str(peer)
     if time.monotonic() - _paths.get(key, (-math.inf, ""))[0] > PATH_CHECK_S:
+        if len(_paths) >= 4096:  # peers of a long run: forget them all (each path is logged again once)
+            _paths.clear()
         _paths[key] = (time.monotonic(), _paths.get(key, (0.0, ""))[1])
         task = asyncio.create_task(_log_path(p2p, peer))
         _checks.add(task)

@@ -15,13 +15,17 @@ call at a time, interleaved.
 
 "over libp2p" is the same stage RPC to the same service through the path a server the swarm cannot dial uses
 (swarm/protocol/p2p.py): the client's DHT node's p2pd, a libp2p connection on loopback, the server's DHT node's p2pd.
+"through a relay" is the path of a server behind NAT: its DHT node accepts no connection (as `--dht-no-listen`) and
+holds a reservation on a relaying node (as `swarm-dht --public`), through which the client's daemon reaches it.
 
     python -m tests.benchmarks.bench_transport [--quick] [--repeats N]
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 
 import grpc
 import torch
@@ -31,6 +35,7 @@ from dht.node import start_dht
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import ModelConfig
+from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.rpc import CHUNK_BYTES, aio_channel, aio_server, bind
 from swarm.protocol.tensors import WireStats
@@ -64,6 +69,19 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+async def until_relayed(client: StageClient, address: str, x: torch.Tensor, timeout: float = 120.0) -> None:
+    """Calls until the relay has the server's reservation (libp2p takes a few seconds to make it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await client.call(address, "Forward", 1, "m", {"inputs": x}, SHAPE, 60)
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
 def raw_chunks(n_bytes: int) -> list[bytes]:
     payload = bytes(n_bytes)
     return [payload[i : i + CHUNK_BYTES] for i in range(0, n_bytes, CHUNK_BYTES)]
@@ -89,6 +107,22 @@ async def run(repeats: int) -> dict:
         name: StageClient(CompressionPolicy.for_wire(name), WireStats(), max_tensor_bytes=1 << 30, p2p=get_client_p2p)
         for name in clients
     }
+    relay_dht = start_dht(relay="serve")
+    relays = [str(m) for m in relay_dht.get_visible_maddrs()]
+    natted_dht = start_dht(relays, relay="no-listen")
+    relayed_client_dht = start_dht(relays, client_mode=True)
+    natted_p2p, relayed_client_p2p = await natted_dht.replicate_p2p(), await relayed_client_dht.replicate_p2p()
+    p2p_transport.RELAYS[:] = relays
+
+    async def get_relayed_client_p2p():
+        return relayed_client_p2p
+
+    relayed_clients = {
+        name: StageClient(
+            CompressionPolicy.for_wire(name), WireStats(), max_tensor_bytes=1 << 30, p2p=get_relayed_client_p2p
+        )
+        for name in clients
+    }
     echo_server, echo_address = await start_echo_server()
     channel = aio_channel(echo_address)
     echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
@@ -97,8 +131,10 @@ async def run(repeats: int) -> dict:
             cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1], worker_cls=IdentityWorker
         ) as stages:
             address, service = stages.addresses[1], stages.services[1]
-            await serve_over_p2p(server_p2p, service.forward, service.backward, service.info, service.progress)
-            p2p_address = f"p2p:{server_dht.peer_id}"
+            for p2p in (server_p2p, natted_p2p):
+                await serve_over_p2p(p2p, service.forward, service.backward, service.info, service.progress)
+            p2p_address, relayed_address = f"p2p:{server_dht.peer_id}", f"p2p:{natted_dht.peer_id}"
+            await until_relayed(relayed_clients["none"], relayed_address, x)
 
             def stage_call(client: StageClient, to: str = address):
                 async def call() -> None:
@@ -125,18 +161,21 @@ async def run(repeats: int) -> dict:
                 "stage RPC, blockwise8": stage_call(clients["blockwise8"]),
                 "stage RPC over libp2p, codec none": stage_call(p2p_clients["none"], p2p_address),
                 "stage RPC over libp2p, blockwise8": stage_call(p2p_clients["blockwise8"], p2p_address),
+                "stage RPC through a relay, codec none": stage_call(relayed_clients["none"], relayed_address),
+                "stage RPC through a relay, blockwise8": stage_call(relayed_clients["blockwise8"], relayed_address),
             }
             common.log(f"transport: {len(fns)} variants x {repeats} interleaved rounds")
             times = await common.ainterleaved(fns, repeats, warmup=3)
     finally:
-        for client in (*clients.values(), *p2p_clients.values()):
+        for client in (*clients.values(), *p2p_clients.values(), *relayed_clients.values()):
             await client.close()
         await channel.close()
         await echo_server.stop(grace=None)
-        for p2p in (client_p2p, server_p2p):
+        for p2p in (client_p2p, server_p2p, relayed_client_p2p, natted_p2p):
             await p2p.shutdown()
-        client_dht.shutdown()
-        server_dht.shutdown()
+        for dht in (client_dht, server_dht, relayed_client_dht, natted_dht, relay_dht):
+            dht.shutdown()
+        p2p_transport.RELAYS.clear()
 
     raw_fp32, raw_8bit = times["raw echo, fp32 size"], times["raw echo, 8-bit size"]
     variants = {}
