@@ -376,7 +376,8 @@ class StageService:
 
     async def _backward(self, worker: StageWorker, collab: Collaboration, call: Call, deadline: float | None):
         """After `_observe` registered the call's admission as computing (if it spent one here)."""
-        key, kept = ticket_key(call.meta), self.replies.is_computing(ticket_key(call.meta))
+        key = ticket_key(call.meta)
+        kept = self.replies.is_computing(key)
         reply = None
         try:
             reply = await worker.submit(functools.partial(self._compute, call, True), deadline, request=True)
@@ -419,19 +420,17 @@ class StageService:
         return None
 
     async def _observe_once(self, collab: Collaboration, call: Call, n: int, backward: bool) -> None:
-        key = ticket_key(call.meta)
-        spent = False
+        spent: list[tuple] = []  # the admission's key, once this call spent it
 
         def on_spent() -> None:
-            nonlocal spent
-            spent = True
-            self.replies.computing(key)
+            spent.append(ticket_key(call.meta))
+            self.replies.computing(spent[0])
 
         try:
             await collab.observe(call.meta, n, backward, on_spent=on_spent if call.meta.admission_signature else None)
         except BaseException:
             if spent:  # refused, or its caller went away, before it counted: the admission is free again
-                self.replies.done(key, None)
+                self.replies.done(spent[0], None)
             raise
 
     async def _read(

@@ -36,9 +36,8 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is not installed (Debian: apt-get install iproute2 iptables)"
     probe = f"swarmprobe{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
+    if (error := _run_quiet("ip", "netns", "add", probe)) is not None:
+        return f"cannot create a network namespace: {error}"
     try:
         nat = _run_quiet("ip", "netns", "exec", probe, "iptables", "-t", "nat", "-L")
         return None if nat is None else f"no NAT table in a namespace: {nat}"

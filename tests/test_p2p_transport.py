@@ -137,6 +137,40 @@ async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair, 
     assert "refused Forward over libp2p" in refusals[0] and key._secret.hex() not in refusals[0], refusals
 
 
+def trains_through(swarm: LocalSwarm, server, microbatches: int = 16):
+    """Starts trainer-0 and waits for `microbatches` through `server` (stage 1's only server); returns the trainer."""
+    trainer = swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
+    wait_for(
+        lambda: (swarm.trainer_stats() or [{"steps": 0}])[0]["steps"] >= microbatches,
+        180,
+        f"{microbatches} microbatches through {server.name}",
+    )
+    return trainer
+
+
+def joins_and_averages(swarm: LocalSwarm, server, late) -> None:
+    """`late` (a second server of `server`'s stage) downloads the stage's state, and both log 2-peer rounds."""
+    wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, f"{late.name}'s join")
+    for peer in (server, late):
+        wait_for(
+            lambda s=peer: re.search(r"averaged \d+ samples with 2 peers", s.log_path.read_text()),
+            120,
+            f"a 2-peer round in {peer.name}",
+        )
+
+
+def nothing_lost(swarm: LocalSwarm, microbatches: int = 16) -> None:
+    """Stops trainer-0; it trained `microbatches` or more and lost none."""
+    swarm.stop(["trainer-0"])
+    stats = swarm.trainer_stats()[0]
+    assert stats["steps"] >= microbatches and stats["lost_microbatches"] == 0, stats
+
+
+@functools.cache
+def nat_unavailable() -> str | None:
+    return netns.unavailable()
+
+
 @pytest.mark.timeout(300)
 def test_a_server_the_swarm_cannot_dial_serves_over_libp2p(tmp_path):
     """A stage-1 server announcing an address nobody can dial (TEST-NET-1) finds out at start and serves over libp2p:
@@ -149,35 +183,10 @@ def test_a_server_the_swarm_cannot_dial_serves_over_libp2p(tmp_path):
         swarm.start_server("server-s0", 0, flags)
         natted = swarm.start_server("server-s1-natted", 1, [*flags, "--announce-host", "192.0.2.1"])
         wait_for(lambda: "serving over libp2p instead" in natted.log_path.read_text(), 90, "the NAT'd server to notice")
-        trainer = swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
-        wait_for(lambda: (swarm.trainer_stats() or [{"steps": 0}])[0]["steps"] >= 16, 120, "16 microbatches")
-        late = swarm.start_server("server-s1-direct", 1, flags)
-        wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, "the direct server's join")
-        for server in (natted, late):
-            wait_for(
-                lambda s=server: re.search(r"averaged \d+ samples with 2 peers", s.log_path.read_text()),
-                120,
-                f"a 2-peer round in {server.name}",
-            )
+        trainer = trains_through(swarm, natted)
+        joins_and_averages(swarm, natted, swarm.start_server("server-s1-direct", 1, flags))
         assert trainer.alive()
-        swarm.stop(["trainer-0"])
-        stats = swarm.trainer_stats()[0]
-        assert stats["steps"] >= 16 and stats["lost_microbatches"] == 0, stats
-
-
-@functools.cache
-def nat_unavailable() -> str | None:
-    return netns.unavailable()
-
-
-def trains_through(swarm: LocalSwarm, server, microbatches: int = 16) -> None:
-    """Starts trainer-0 and waits for `microbatches` through `server` (stage 1's only server)."""
-    swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
-    wait_for(
-        lambda: (swarm.trainer_stats() or [{"steps": 0}])[0]["steps"] >= microbatches,
-        180,
-        f"{microbatches} microbatches through {server.name}",
-    )
+        nothing_lost(swarm)
 
 
 @pytest.mark.timeout(400)
@@ -217,17 +226,8 @@ def test_a_server_behind_a_masquerading_router_serves_through_the_bootstrap_node
             trains_through(swarm, home)
             trainer_log = (tmp_path / "trainer-0.log").read_text()
             assert f"over libp2p through relay /ip4/{netns.WAN_HOST}/tcp/" in trainer_log, trainer_log[-3000:]
-            late = swarm.start_server("server-s1-public", 1, [*flags, *public])
-            wait_for(lambda: "loaded state at epoch" in late.log_path.read_text(), 90, "the public server's join")
-            for server in (home, late):
-                wait_for(
-                    lambda s=server: re.search(r"averaged \d+ samples with 2 peers", s.log_path.read_text()),
-                    120,
-                    f"a 2-peer round in {server.name}",
-                )
-            swarm.stop(["trainer-0"])
-            stats = swarm.trainer_stats()[0]
-            assert stats["steps"] >= 16 and stats["lost_microbatches"] == 0, stats
+            joins_and_averages(swarm, home, swarm.start_server("server-s1-public", 1, [*flags, *public]))
+            nothing_lost(swarm)
 
 
 @pytest.mark.timeout(300)
@@ -245,9 +245,7 @@ def test_a_server_with_no_inbound_connection_serves_through_the_relay(tmp_path):
         natted = swarm.start_server("server-s1", 1, [*flags, "--announce-host", "192.0.2.1", "--dht-no-listen"])
         wait_for(lambda: "callers reach us through a relay only" in natted.log_path.read_text(), 90, "its log to say")
         trains_through(swarm, natted)
-        swarm.stop(["trainer-0"])
-        stats = swarm.trainer_stats()[0]
-        assert stats["steps"] >= 16 and stats["lost_microbatches"] == 0, stats
+        nothing_lost(swarm)
 
 
 def test_a_callers_log_says_whether_it_reaches_a_peer_directly_or_through_a_relay():

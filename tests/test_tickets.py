@@ -53,6 +53,14 @@ def meta_of(ticket: Admission, microbatch_id: str = "mb-1", **changes) -> pb.Cal
     return meta
 
 
+async def admitted(client: StageClient, first, microbatch_id: str) -> Admission:
+    """Stage 0's signed admission of a microbatch, as a trainer gets it: from the reply of its Forward there."""
+    tokens, _ = random_batch(MODEL, B)
+    reply = await client.call(first.record().address, "Forward", 0, microbatch_id, {"inputs": tokens}, (B, T, D), 30)
+    assert reply.admission is not None
+    return reply.admission
+
+
 def signed_by(identity: Identity, microbatch_id: str, global_batch: int, admitted_at: int) -> Admission:
     signature = identity.sign(ticket_bytes(microbatch_id, B, global_batch, admitted_at))
     return Admission(global_batch, admitted_at, identity.peer_id, signature)
@@ -66,10 +74,8 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
         servers.append(last)
         client = StageClient(CompressionPolicy(), WireStats(), max_tensor_bytes=1 << 24)
         try:
-            tokens, _ = random_batch(MODEL, B)
-            reply = await client.call(first.record().address, "Forward", 0, "mb-1", {"inputs": tokens}, (B, T, D), 30)
-            ticket = reply.admission
-            assert ticket is not None and ticket.signer == first.sdht.peer_id and ticket.signature
+            ticket = await admitted(client, first, "mb-1")
+            assert ticket.signer == first.sdht.peer_id and ticket.signature
 
             worker = last.service.worker
             before = (worker.epoch, worker.param_version, worker.samples_processed)
@@ -166,13 +172,7 @@ async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_i
             return attempt
 
         try:
-            tickets = []
-            for microbatch_id in ("mb-1", "mb-2"):
-                tokens, _ = random_batch(MODEL, B)
-                reply = await client.call(
-                    first.record().address, "Forward", 0, microbatch_id, {"inputs": tokens}, (B, T, D), 30
-                )
-                tickets.append(reply.admission)
+            tickets = [await admitted(client, first, microbatch_id) for microbatch_id in ("mb-1", "mb-2")]
             worker.backward = slow_backward
             done = worker.samples_processed
 
@@ -218,13 +218,10 @@ async def test_a_retry_that_comes_while_the_first_attempt_waits_for_its_epoch_wa
             return await observe(meta)
 
         try:
-            calls = []
-            for microbatch_id in ("mb-3", "mb-4"):
-                tokens, _ = random_batch(MODEL, B)
-                reply = await client.call(
-                    first.record().address, "Forward", 0, microbatch_id, {"inputs": tokens}, (B, T, D), 30
-                )
-                calls.append(last_stage_backward(meta_of(reply.admission, microbatch_id)))
+            calls = [
+                last_stage_backward(meta_of(await admitted(client, first, microbatch_id), microbatch_id))
+                for microbatch_id in ("mb-3", "mb-4")
+            ]
             collab._observe = parked_observe
             done = worker.samples_processed
 

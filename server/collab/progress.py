@@ -156,13 +156,8 @@ class StagePeers:
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck | None:
         try:
             return await self._channels.stub(address).progress(msg, timeout=self.peer_timeout)
-        except grpc.aio.AioRpcError as e:  # a dead peer: forget it until the DHT lists it again
-            if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
-                logger.debug("stage peer %s does not list us yet", address)
-                return None
-            logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
-            # only a peer we have heard from is held out: one that is starting may not serve gRPC yet
-            await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+        except grpc.aio.AioRpcError as e:
+            await self._failed(peer_id, address, e)
             return None
 
     async def probe(self, peer_id: str) -> bool:
@@ -176,11 +171,17 @@ class StagePeers:
             await self._channels.stub(address).info(pb.InfoRequest(), timeout=self.peer_timeout)
             return True
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive (a private swarm's refusal)
-                return True
-            logger.info("stage peer %s did not answer (%s); dropping it from the group", address, e.code().name)
-            await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+            return not await self._failed(peer_id, address, e)
+
+    async def _failed(self, peer_id: str, address: str, e: grpc.aio.AioRpcError) -> bool:
+        """A call to a stage peer failed: a dead or frozen peer is dropped (True), until the DHT lists it again."""
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
+            logger.debug("stage peer %s does not list us yet", address)
             return False
+        logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
+        # only a peer we have heard from is held out: one that is starting may not serve gRPC yet
+        await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+        return True
 
     async def _drop(self, peer_id: str, address: str, hold: bool) -> None:
         """Leave a peer out of the group; `hold`: even while the DHT lists it, until it speaks again or

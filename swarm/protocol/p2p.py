@@ -114,11 +114,11 @@ async def _open(p2p, peer, name: str):
             raise
         logger.info("dialled %s through relay %s", peer, relay)
         stream = await p2p.call_binary_stream_handler(peer, name)
-    key = str(peer)
-    if time.monotonic() - _paths.get(key, (-math.inf, ""))[0] > PATH_CHECK_S:
+    looked, path = _paths.get(str(peer), (-math.inf, ""))
+    if time.monotonic() - looked > PATH_CHECK_S:
         if len(_paths) >= 4096:  # peers of a long run: forget them all (each path is logged again once)
             _paths.clear()
-        _paths[key] = (time.monotonic(), _paths.get(key, (0.0, ""))[1])
+        _paths[str(peer)] = (time.monotonic(), path)
         task = asyncio.create_task(_log_path(p2p, peer))
         _checks.add(task)
         task.add_done_callback(_checks.discard)
@@ -139,7 +139,7 @@ async def _log_path(p2p, peer) -> None:
     with contextlib.suppress(Exception):  # a daemon that went away: the call itself says so
         conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
         path = path_of([a for addrs in conns for a in addrs])
-        if path != _paths[str(peer)][1]:
+        if path != _paths.get(str(peer), (0.0, ""))[1]:
             _paths[str(peer)] = (time.monotonic(), path)
             logger.info("reaching %s over libp2p %s", peer, path)
 
