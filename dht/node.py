@@ -11,6 +11,7 @@ server by its key's fingerprint.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -34,6 +35,8 @@ from swarm.protocol.tls import pin
 
 logger = logging.getLogger(__name__)
 RELAY_MODES = ("use", "reserve", "no-listen", "serve")
+START_TIMEOUT_S = 60.0  # a DHT node starts in about a second; its bootstrap pings wait DHT_WAIT_TIMEOUT_S each
+START_ATTEMPTS = 2
 
 
 def _static_relays_only(make_args):
@@ -88,35 +91,55 @@ def start_dht(
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     ensure_reaper()  # hivemind's child and its p2pd die with us, even if we are killed (dht/reaper.py)
     identity = identity or Identity()
-    dht = hivemind.DHT(
-        initial_peers=list(initial_peers),
-        host_maddrs=[] if relay == "no-listen" else listen_multiaddrs(host, port),
-        no_listen=relay == "no-listen",
-        use_auto_relay=relay != "use",
-        # reserve on our bootstrap peers at once (see _static_relays_only); a node with no peer relays for nobody
-        trusted_relays=list(initial_peers) if relay in ("reserve", "no-listen") and initial_peers else None,
-        # libp2p reserves a relay slot only once it knows the node private; with no address, AutoNAT never finds out
-        force_reachability={"serve": "public", "no-listen": "private"}.get(relay),
-        client_mode=client_mode,
-        identity_path=identity_path,
-        record_validators=[identity.validator, *([StageRecordValidator(swarm_name)] if swarm_name else [])],
-        authorizer=None if swarm_key is None else SwarmKeyAuthorizer(swarm_key, identity.private_key),
-        start=False,
-        wait_timeout=wait_timeout,
-    )
-    with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
-        dht.run_in_background(await_ready=False)
-    try:
-        dht.wait_until_ready()
-    except Exception as e:  # hivemind's "bootstrap failed: none of the initial_peers responded"
-        if "bootstrap" not in str(e):
-            raise
-        ours = f"this peer's key is swarm {swarm_key.swarm_id}" if swarm_key else "this peer has no --swarm-key"
-        raise RuntimeError(
-            f"no DHT peer of --initial-peers answered. Check the addresses; a private swarm answers only peers with "
-            f"its key ({ours})"
-        ) from None
-    return dht
+
+    def node() -> hivemind.DHT:
+        return hivemind.DHT(
+            initial_peers=list(initial_peers),
+            host_maddrs=[] if relay == "no-listen" else listen_multiaddrs(host, port),
+            no_listen=relay == "no-listen",
+            use_auto_relay=relay != "use",
+            # reserve on our bootstrap peers at once (see _static_relays_only); a node with no peer relays for nobody
+            trusted_relays=list(initial_peers) if relay in ("reserve", "no-listen") and initial_peers else None,
+            # libp2p reserves a relay slot only once it knows the node private; with no address, AutoNAT never finds out
+            force_reachability={"serve": "public", "no-listen": "private"}.get(relay),
+            client_mode=client_mode,
+            identity_path=identity_path,
+            record_validators=[identity.validator, *([StageRecordValidator(swarm_name)] if swarm_name else [])],
+            authorizer=None if swarm_key is None else SwarmKeyAuthorizer(swarm_key, identity.private_key),
+            start=False,
+            wait_timeout=wait_timeout,
+        )
+
+    for attempt in range(START_ATTEMPTS):
+        dht = node()
+        with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
+            dht.run_in_background(await_ready=False)
+        try:
+            dht.wait_until_ready(START_TIMEOUT_S)
+            return dht
+        except (
+            concurrent.futures.TimeoutError
+        ):  # a child forked from a multithreaded process can hang before it is ready: seen in CI
+            _end(dht)
+            logger.warning("the DHT node did not start within %.0fs (attempt %d)", START_TIMEOUT_S, attempt + 1)
+        except Exception as e:  # hivemind's "bootstrap failed: none of the initial_peers responded"
+            _end(dht)
+            if "bootstrap" not in str(e):
+                raise
+            ours = f"this peer's key is swarm {swarm_key.swarm_id}" if swarm_key else "this peer has no --swarm-key"
+            raise RuntimeError(
+                f"no DHT peer of --initial-peers answered. Check the addresses; a private swarm answers only peers "
+                f"with its key ({ours})"
+            ) from None
+    raise RuntimeError(f"the DHT node did not start within {START_TIMEOUT_S:.0f}s, {START_ATTEMPTS} times")
+
+
+def _end(dht: hivemind.DHT) -> None:
+    """A DHT child that failed to start: ask it to stop, then kill it (and let the reaper take its p2pd)."""
+    dht.shutdown()
+    if dht.is_alive():
+        dht.kill()
+        dht.join(5)
 
 
 async def _ping(p2p_id: str, _dht, node) -> None:

@@ -9,6 +9,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
+from dht.forking import forking
 from dht.identity import Identity, fingerprint
 from dht.node import SwarmDHT, start_dht
 from dht.records import ServerRecord, differences, settings, stage_key
@@ -40,9 +41,14 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
         assert set(real) == {a.sdht.peer_id, b.sdht.peer_id}
 
         # the attacker: a stock hivemind DHT node in the swarm, no validator, signing nothing
-        attacker = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        )
+        def stock_node() -> hivemind.DHT:  # forked with the collector frozen, like ours (dht/forking.py)
+            with forking():
+                node = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
+                node.run_in_background(await_ready=False)
+            node.wait_until_ready(30)
+            return node
+
+        attacker = await asyncio.get_running_loop().run_in_executor(None, stock_node)
         try:
             key = stage_key(SWARM, 0)
             fake = ServerRecord(host="127.0.0.1", port=1, stage=0, throughput=1000.0).to_dict()

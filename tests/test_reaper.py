@@ -7,8 +7,10 @@ import subprocess
 import sys
 import time
 
+import hivemind
 import pytest
 
+from dht import node
 from dht.reaper import _alive, _cmdline, _processes, daemon_sockets, descendants
 from tests.conftest import wait_for
 
@@ -76,3 +78,43 @@ def test_a_dead_peer_takes_its_dht_child_p2pd_and_sockets_along(end):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(10)
+
+
+def _hang_first(tmp_path, times: int):
+    """hivemind.DHT.run, except that the first `times` children (forked: they run the patched class) never get ready:
+    how a child forked from a multithreaded process hangs. Each writes its pid to a file first."""
+    run = hivemind.DHT.run
+
+    def run_or_hang(self):
+        hung = sorted(tmp_path.glob("hung-*"))
+        if len(hung) < times:
+            (tmp_path / f"hung-{len(hung)}").write_text(str(os.getpid()))
+            time.sleep(600)
+        run(self)
+
+    return run_or_hang
+
+
+def _gone(tmp_path) -> bool:
+    return all(not os.path.exists(f"/proc/{p.read_text()}") for p in tmp_path.glob("hung-*"))
+
+
+def test_a_dht_child_that_hangs_before_it_is_ready_is_killed_and_started_again(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(hivemind.DHT, "run", _hang_first(tmp_path, 1))
+    monkeypatch.setattr(node, "START_TIMEOUT_S", 2.0)
+    with caplog.at_level("WARNING", logger="dht.node"):
+        dht = node.start_dht()
+    try:
+        assert dht.is_alive() and len(list(tmp_path.glob("hung-*"))) == 1
+        assert "the DHT node did not start within 2s (attempt 1)" in caplog.text
+        assert _gone(tmp_path)
+    finally:
+        dht.shutdown()
+
+
+def test_a_dht_child_that_never_gets_ready_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(hivemind.DHT, "run", _hang_first(tmp_path, node.START_ATTEMPTS))
+    monkeypatch.setattr(node, "START_TIMEOUT_S", 1.0)
+    with pytest.raises(RuntimeError, match=f"did not start within 1s, {node.START_ATTEMPTS} times"):
+        node.start_dht()
+    assert _gone(tmp_path)
