@@ -124,25 +124,44 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
             await client.close()
 
 
-async def test_a_peer_that_missed_epochs_refuses_work_until_it_has_caught_up():
-    """A stage peer at epoch e that gets a call stage 0 admitted at e + 2 or later missed epochs (it was frozen, say):
-    it answers UNAVAILABLE and computes nothing, rather than serve with parameters its stage has left behind. The
-    refusal does not spend the call's admission: a retry once the peer has caught up is served."""
+async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refuses_work_until_it_has_caught_up():
+    """Stage 0 can end epochs that never reached stage 1 (--admission-timeout: their backwards were lost). A stage-1
+    peer that gets a call admitted 2 or more epochs past its own, with no peer of its stage further on, ends its epoch
+    and skips to stage 0's: there is nobody to catch up from (before, every peer of the stage refused such calls and
+    waited for another to get ahead, for ever). A peer that a peer of its own stage is ahead of missed epochs (it was
+    frozen, say): it answers UNAVAILABLE and computes nothing, rather than serve with parameters its stage has left
+    behind, and catches up. The refusal does not spend the call's admission: the retry is served."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(last := await start_server(initial_peers, stage=1))
         servers.append(other := await start_server(initial_peers, stage=1))
-        await wait_for_async(lambda: other.sdht.peer_id in last.collab.peers.peers, 30, "the stage-1 peers to meet")
+        await wait_for_async(
+            lambda: other.sdht.peer_id in last.collab.peers.peers and last.sdht.peer_id in other.collab.peers.peers,
+            30,
+            "the stage-1 peers to meet",
+        )
         worker = last.service.worker
-        epoch, done = worker.epoch, worker.samples_processed
-        ahead = signed_by(first.sdht.identity, "mb-9", epoch, epoch + 2)
-        for _ in range(2):  # the refusal spends nothing: the retry, here or on any peer, is judged afresh
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "catching up" in refused.value.details()
-        assert (worker.epoch, worker.samples_processed) == (epoch, done)
-        current = signed_by(first.sdht.identity, "mb-10", epoch, epoch)
-        await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(current, "mb-10")))
+        epoch = worker.epoch
+        assert other.service.worker.epoch == epoch
+        stage_zero_at = epoch + 3
+        skipped = signed_by(first.sdht.identity, "mb-8", epoch, stage_zero_at)
+        await raw_call(other.record().address, "Backward", last_stage_backward(meta_of(skipped, "mb-8")))
+        assert other.service.worker.epoch == stage_zero_at
+        await wait_for_async(
+            lambda: last.collab.peers.view.get(other.sdht.peer_id, (0, 0))[0] == stage_zero_at,
+            10,
+            "the peer that skipped to tell the other",
+        )
+        assert worker.epoch < stage_zero_at - 1
+        done = worker.samples_processed
+        ahead = signed_by(first.sdht.identity, "mb-9", epoch, stage_zero_at)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
+        # "catching up", or "copying the stage's state" if the peer's poller already saw the other ahead
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "behind: stage 1" in refused.value.details()
+        assert worker.samples_processed == done
+        await wait_for_async(lambda: worker.epoch == stage_zero_at, 30, "the peer behind to catch up")
+        await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
         assert worker.samples_processed == done + B
 
 

@@ -425,8 +425,11 @@ class StageCollaboration:
             raise Behind(f"behind: stage {self.stage}: this peer is copying the stage's state; try another peer")
         if not meta.HasField("admitted_at"):
             return
-        admitted_at, epoch = meta.admitted_at, self.epoch
-        if admitted_at >= epoch + 2 and self.peers.peers:  # alone, we skip the epochs instead (below)
+        admitted_at, epoch, furthest = meta.admitted_at, self.epoch, self.peers.furthest()
+        if admitted_at >= epoch + 2 and furthest is not None and furthest > epoch:
+            # a peer of ours is ahead: we missed its epochs. With none ahead, the whole stage is behind stage 0 (it
+            # ended epochs without us, on --admission-timeout): we end ours and skip the rest, as do our peers on
+            # their next call, rather than each wait for another to catch up from (they all would, for ever)
             self._kick.set()  # the poller catches up from the peer furthest ahead
             raise Behind(
                 f"behind: stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up"
@@ -582,7 +585,7 @@ class StageCollaboration:
             # peers that each stepped alone (two that started together, before either listed the other) hold
             # different parameters, and an all-reduce of gradients keeps them apart: one lineage copies the other
             self.recovery.adopt(reference, epoch)
-        if n_peers <= 1 and skip_to is not None and skip_to > self.epoch:
+        if skip_to is not None and skip_to > self.epoch:  # stage 0 left these epochs with no sample of this stage
             self.worker.skip_to(skip_to)
         parameters = self.averaging.parameters  # built with --param-average-every only
         if n_peers > 1 and parameters is not None and self.epoch % self.averaging_cfg.param_average_every == 0:
