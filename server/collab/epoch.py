@@ -119,6 +119,9 @@ class StageCollaboration:
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
+        # the poller's DHT read, and its check of the epoch's end: one of each at a time
+        self._refreshing: asyncio.Future | None = None
+        self._checking: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
 
     @property
@@ -267,10 +270,11 @@ class StageCollaboration:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Future:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)
         self._tasks.add(task)  # asyncio keeps only weak references to tasks
         task.add_done_callback(self._finished)
+        return task
 
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -457,15 +461,23 @@ class StageCollaboration:
                     # of holding the compute thread for --averaging-timeout (averaging.py, `nobody_left`)
                     last_heartbeat = time.monotonic()
                     self._spawn(self._broadcast(end_epoch=False))
-                if time.monotonic() - last_refresh > self.network.announce_period:
+                # neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile (a
+                # DHT read that waited out its timeout on a frozen peer's node delayed them past --peer-timeout, and
+                # the rounds this loop ran itself had none); one of each runs at a time
+                idle = [task is None or task.done() for task in (self._refreshing, self._checking)]
+                if time.monotonic() - last_refresh > self.network.announce_period and idle[0]:
                     last_refresh = time.monotonic()
-                    await self.peers.refresh()
-                    await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
-                await self._maybe_end_epoch()
+                    self._refreshing = self._spawn(self._refresh())
+                if idle[1]:
+                    self._checking = self._spawn(self._maybe_end_epoch())
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 logger.warning("progress check failed: %r", e)
+
+    async def _refresh(self) -> None:
+        await self.peers.refresh()
+        await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
 
     async def _maybe_end_epoch(self) -> None:
         if self.phase is not Phase.ACCUMULATING:
