@@ -180,14 +180,13 @@ class GradientAveraging:
 
         members = None if self.members is None else self.members()
         self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
-        attempts = 0
         while result is None and not give_up():
-            # the first attempt in a fixed group, if the stage knows one beyond us; a retry matchmakes: the peers saw
-            # the group differently, or a member is gone, and matchmaking forms a group of those who are there
+            # every attempt in the fixed group of the peers the stage knows now, if it knows one beyond us: a member
+            # that is gone leaves that view within --peer-timeout (its Progress fails), and peers whose views differ
+            # meet once they agree. Matchmaking only without one: it reads the DHT, and while a frozen peer's DHT node
+            # held those reads, matchmade retries of two healthy peers found no group for 10 s (the soak)
             if group is not None:
-                fixed = group() if attempts == 0 else None
-                self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
-            attempts += 1
+                self.averager.fix_group(group() or None, gather_timeout=self.cfg.matchmaking_time)
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(

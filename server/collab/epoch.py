@@ -119,6 +119,7 @@ class StageCollaboration:
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
+        self._ending: int | None = None  # the epoch we last began to end
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
         self._checking: asyncio.Future | None = None
@@ -281,11 +282,13 @@ class StageCollaboration:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("%s failed: %r", task.get_name(), task.exception())
 
-    async def _broadcast(self, end_epoch: bool) -> None:
+    async def _broadcast(self, end_epoch: bool, ending: int | None = None) -> None:
+        """`ending`: the epoch whose round we are in; we tell the peers to end it if we are still in it."""
         while True:  # the compute thread may end the epoch between the two reads: read both from the same epoch
             epoch, samples, lineage = self.epoch, self.worker.samples_accumulated, self.worker.lineage
             if self.epoch == epoch:
                 break
+        end_epoch = end_epoch or epoch == ending
         await self.peers.broadcast(
             epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting, lineage=lineage
         )
@@ -458,9 +461,11 @@ class StageCollaboration:
                 if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
                     # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead)
                     # leaves the group within --peer-timeout, and a round left with nobody gives up at once instead
-                    # of holding the compute thread for --averaging-timeout (averaging.py, `nobody_left`)
+                    # of holding the compute thread for --averaging-timeout (averaging.py, `nobody_left`). And call
+                    # into the round a peer still accumulating the epoch (it joined, or copied a state, after our
+                    # call to end it): it would otherwise come only on its own count, or a call from a later epoch
                     last_heartbeat = time.monotonic()
-                    self._spawn(self._broadcast(end_epoch=False))
+                    self._spawn(self._broadcast(end_epoch=False, ending=self._ending))
                 # neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile (a
                 # DHT read that waited out its timeout on a frozen peer's node delayed them past --peer-timeout, and
                 # the rounds this loop ran itself had none); one of each runs at a time
@@ -523,7 +528,7 @@ class StageCollaboration:
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
             return
         logger.debug("ending epoch %d", epoch)
-        self.phase = Phase.ENDING
+        self.phase, self._ending = Phase.ENDING, epoch
         self.peers.forget_before(epoch)
         if self.peers.group_size(epoch) <= 1:
             # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
