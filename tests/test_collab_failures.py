@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from server.collab.epoch import Phase
 from server.worker import StageWorker
 from swarm.model import Stage
 from tests.peers import (
@@ -108,3 +109,41 @@ async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state
         assert b.collab.epoch == 1, "the joiner started from the seed instead of the stage's state"
         for (name, pa), pb in zip(a.worker.stage.named_parameters(), b.worker.stage.parameters(), strict=True):
             assert torch.equal(pa, pb), f"{name}: the joiner holds different parameters"
+
+
+async def test_a_peer_that_missed_the_call_to_end_the_epoch_is_called_into_the_round():
+    """B ends an epoch before the global batch is full (as when stage 0 has moved on) while A, busy copying a state,
+    drops B's call to end it; A's own count never completes the batch. The heartbeat B sends while its round runs
+    calls A in: the round succeeds within seconds instead of failing after --averaging-timeout."""
+    async with stage_servers() as (peers, servers):
+        for _ in range(2):
+            servers.append(await start_server(peers))
+        a, b = servers
+        await wait_for_async(
+            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
+            30,
+            "the two peers to find each other",
+        )
+        tokens = torch.randint(0, MODEL.vocab_size, (4, MODEL.max_seq_len))  # half the global batch
+        await b.worker.submit(
+            lambda: b.worker.backward(tokens, grad_outputs=torch.randn(4, MODEL.max_seq_len, MODEL.d_model))
+        )
+        await b.collab.after_backward()
+        await wait_for_async(lambda: a.collab.peers.samples_in(0) == 4, 10, "A to hear B's count")
+        before = [(s.collab.rounds_ok, s.collab.rounds_failed) for s in (a, b)]
+        a.collab.phase = Phase.RECOVERING  # copying a state: a call to end the epoch is not acted on
+        await b.collab._broadcast(end_epoch=True)
+        b.collab._spawn(b.collab._end_epoch_once(0))
+        await asyncio.sleep(0.2)
+        a.collab.phase = Phase.ACCUMULATING
+        started = time.monotonic()
+        await wait_for_async(
+            lambda: a.collab.epoch == b.collab.epoch == 1 and not (a.collab.busy or b.collab.busy),
+            30,
+            "both peers to finish epoch 0",
+        )
+        took = time.monotonic() - started
+        assert [(s.collab.rounds_ok, s.collab.rounds_failed) for s in (a, b)] == [(ok + 1, bad) for ok, bad in before]
+        assert took < TIMEOUT, f"{took:.1f}s: the round waited out the all-reduce timeout"
+        for (name, pa), pb in zip(a.worker.stage.named_parameters(), b.worker.stage.parameters(), strict=True):
+            assert torch.equal(pa, pb), name
