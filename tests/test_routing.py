@@ -91,6 +91,26 @@ def test_ban_holds_until_reannounce():
     assert picks.count("a") == 5
 
 
+def test_a_peer_that_timed_out_but_proved_alive_is_forgiven_twice_in_a_row_not_more():
+    router = StageRouter(clock=FakeClock())
+    router.update_peers({"a": 100.0, "b": 100.0})
+    for peer in ("a", "b"):
+        router.report_success(peer, task_size=1, seconds=1.0)
+    assert not router.forgive("a"), "nothing to forgive"
+    for _ in range(10):
+        router.choose(1, exclude=["a"])  # b works on while a's ban stands
+    for strike in (1, 2):
+        router.report_failure("a", timed_out=True)
+        assert router.available == ["b"]
+        assert router.forgive("a"), strike
+        assert sorted(router.available) == ["a", "b"]
+        picks = [router.choose(1) for _ in range(10)]
+        assert 1 <= picks.count("a") <= 5, "back at b's key (its EMA penalized): chosen soon, not flooded"
+    router.report_failure("a", timed_out=True)
+    assert not router.forgive("a"), "a third timeout in a row: answering probes is not serving"
+    assert router.available == ["b"]
+
+
 def test_a_record_restored_every_two_seconds_for_a_dead_server_draws_a_few_calls_a_minute():
     """Every re-store of its record would lift a plain ban: a forged record re-stored every 2 s drew 30 trainer calls in
     60 s. Bans double with each failure in a row (1, 2, 4, ... s), so it draws 6; a success starts over."""

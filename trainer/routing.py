@@ -130,6 +130,18 @@ class StageRouter:
         if timed_out and peer.ema is not None:
             peer.ema *= self.timeout_penalty
 
+    def forgive(self, peer_id: str, max_strikes: int = 2) -> bool:
+        """Lift the ban of a peer that timed out but proved alive since (it was busy, not gone), unless it has failed
+        more than `max_strikes` times in a row: one that answers probes but never serves stays banned. Its strikes
+        and EMA penalty stay. Returns whether the ban was lifted."""
+        if peer_id not in self._bans or self._strikes.get(peer_id, 0) > max_strikes:
+            return False
+        del self._bans[peer_id]
+        if (peer := self._peers.get(peer_id)) is not None:
+            live = [p.key for i, p in self._live_items() if i != peer_id]
+            peer.key = max(peer.key, min(live, default=peer.key))  # back at the current minimum, like a returning peer
+        return True
+
     @property
     def available(self) -> list[str]:
         """Listed, unexpired, unbanned peers."""

@@ -27,6 +27,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
+from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
@@ -38,6 +39,7 @@ from trainer.schedule import MicrobatchResult, train_microbatch
 logger = logging.getLogger("swarm.trainer")
 ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch
 BEHIND_RETRY_S = 0.5  # after every peer of a stage refused, one or more of them because it was catching up
+PROBE_S = 2.0  # a peer whose call timed out gets this long to answer Info: then it was busy (an all-reduce), not gone
 LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
 INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
 
@@ -91,6 +93,8 @@ class Trainer:
         self.started = time.monotonic()
         self.last_snapshot: dict = {}  # `snapshot()`, taken every second: what the metrics thread reads
         self._ids = itertools.count()
+        self._probing: set[tuple[int, str]] = set()  # (stage, peer id) whose liveness we are asking after a timeout
+        self._probes: set[asyncio.Task] = set()
         self._loss_log = open(cfg.loss_log, "a") if cfg.loss_log else None  # noqa: SIM115 (closed in run)
 
     async def run(self, stop: asyncio.Event) -> dict:
@@ -108,9 +112,9 @@ class Trainer:
                 if (error := task.exception()) is not None:
                     raise error
         finally:
-            for task in background:
+            for task in (*background, *self._probes):
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(*background, *self._probes, return_exceptions=True)
             await self.client.close()
             if metrics is not None:
                 metrics.close()
@@ -235,6 +239,7 @@ class Trainer:
                 router.report_failure(peer_id, timed_out=timed_out)
                 if timed_out:
                     self.deadlines.timed_out(stage, method)
+                    self._probe(stage, peer_id, record.address)
                 tried.add(peer_id)
                 attempts += 1
                 self.retries += 1
@@ -250,6 +255,29 @@ class Trainer:
             self.versions[stage] = max(self.versions[stage], reply.param_version)
             return reply
         raise MicrobatchLost(f"stage {stage} {method} failed {attempts} times; last error: {last_error!r}")
+
+    def _probe(self, stage: int, peer_id: str, address: str) -> None:
+        """A call to `peer_id` timed out and banned it; if it answers Info within PROBE_S it was busy (its compute
+        thread held by a round with a peer that froze, say), not frozen itself: lift the ban (StageRouter.forgive)
+        instead of leaving its stage short of a peer until it re-announces, seconds later."""
+        if (stage, peer_id) in self._probing:
+            return
+        self._probing.add((stage, peer_id))
+
+        async def probe() -> None:
+            try:
+                await self.client.channels.stub(address).info(pb.InfoRequest(), timeout=PROBE_S)
+            except Exception:  # frozen, gone, or garbage: the ban stands
+                return
+            finally:
+                self._probing.discard((stage, peer_id))
+            if self.routers[stage].forgive(peer_id):
+                logger.info("stage %d: %s answers after its call timed out: busy, not gone; unbanned", stage, address)
+                self.peers_changed.set()
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)  # asyncio keeps only weak references to tasks
+        task.add_done_callback(self._probes.discard)
 
     async def _discover_forever(self) -> None:
         while True:
