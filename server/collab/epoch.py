@@ -298,7 +298,12 @@ class StageCollaboration:
         monotonic time) for a global batch with room (server/collab/admission.py). Returns the global batch it joins
         and our epoch now, signed (tickets.py). Raises AdmissionRefused when the microbatch belongs on another peer of
         stage 0."""
-        await self._read_peers_before_first_admission()
+
+        def patience() -> float | None:  # how long we may still wait before we must answer the caller
+            return None if deadline is None else max(deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic(), 0.0)
+
+        if not await self._read_peers_before_first_admission(patience()):
+            raise AdmissionRefused("admission: this peer of stage 0 is still meeting its stage's peers; ask again")
         while True:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
@@ -307,7 +312,7 @@ class StageCollaboration:
                 self._kick.set()
                 raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
             if self.peers.must_claim(epoch):
-                if not await self._claim(epoch):
+                if not await self._claim(epoch, patience()):
                     raise AdmissionRefused(
                         "admission: a peer of stage 0 does not count this one among the admitting peers yet"
                     )
@@ -320,7 +325,7 @@ class StageCollaboration:
                 )
             if placed is not Decision.WAIT:
                 break
-            if deadline is not None and time.monotonic() > deadline - ADMISSION_REPLY_MARGIN_S:
+            if patience() == 0.0:
                 # answer while the caller still listens: a call that times out looks like a dead peer to it (a ban),
                 # a refusal is retried shortly (a stage further down the pipeline may be slow or frozen meanwhile)
                 raise AdmissionRefused(f"admission: global batch {epoch} is full and has not stepped yet; ask again")
@@ -346,38 +351,44 @@ class StageCollaboration:
             self._spawn(self._broadcast(end_epoch=False))
         return Ticket(placed, epoch, *self.tickets.sign(microbatch_id, n, placed, epoch))
 
-    async def _claim(self, epoch: int) -> bool:
+    async def _claim(self, epoch: int, timeout: float | None = None) -> bool:
         """Stage 0, before admitting towards `epoch`: make sure every peer counts us among the admitting peers of it,
         and learn what each had admitted when it began to (StagePeers.claim). A peer that saw no admission of ours
         lately counts no share for us and may admit the whole batch: without the claim, a peer that joined late or
         that trainers had not found yet overfilled the batch by its own share (24 samples in a global batch of 16).
-        Concurrent admissions share one claim."""
+        Concurrent admissions share one claim; one that cannot wait `timeout` seconds for it gets False meanwhile (a
+        frozen peer holds the claim for --peer-timeout, and an unanswered Forward looks like a dead peer to the
+        trainer: a ban, and a doubled deadline)."""
         if self._claiming is None or self._claiming[0] != epoch or self._claiming[1].done():
             samples = self.worker.samples_accumulated if self.epoch == epoch else 0
             claim = self.peers.claim(epoch, samples, self.admission.counts(epoch), self._most_samples())
             self._claiming = epoch, asyncio.ensure_future(claim)
         try:
-            return await asyncio.shield(self._claiming[1])
+            return await asyncio.wait_for(asyncio.shield(self._claiming[1]), timeout)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             logger.debug("stage 0: claiming a share of global batch %d failed: %r", epoch, e)
             return False
 
-    async def _read_peers_before_first_admission(self) -> None:
+    async def _read_peers_before_first_admission(self, timeout: float | None = None) -> bool:
         """Before our first admission, learn what the other peers of stage 0 admitted: a peer that started alone, or
         before us, may hold more than its share of the open batch. Peers that start together read the DHT before the
         others are listed, so read it again now (a trainer calls us only once it has found us, and by then it
         usually finds them too), tell them our count, and wait (up to FIRST_ADMISSION_WAIT_S) until each has told us
-        theirs: a peer answers a stage peer's first message with its own (on_progress)."""
+        theirs: a peer answers a stage peer's first message with its own (on_progress). Returns False if that is still
+        under way after `timeout` seconds (a DHT read, or a frozen peer's Progress, holds it): answer the caller."""
         if self._first_admission is None:
             self._first_admission = asyncio.ensure_future(self._meet_stage_peers())
         try:
-            await asyncio.shield(self._first_admission)
+            await asyncio.wait_for(asyncio.shield(self._first_admission), timeout)
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            return False
         except Exception as e:  # the regular reads go on; a failed one must not refuse the microbatch
             logger.debug("stage 0: meeting the stage's peers before the first admission failed: %r", e)
+        return True
 
     async def _meet_stage_peers(self) -> None:
         await self.peers.refresh()
