@@ -4,10 +4,15 @@ The whole behaviour runs in tests/test_integration.py (`frozen_one`: a server SI
 """
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from hivemind.averaging.partition import AllreduceException
 
@@ -18,7 +23,14 @@ from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import stage_handler, start_stage_server
+from swarm.protocol.rpc import (
+    KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    StageStub,
+    aio_channel,
+    stage_handler,
+    start_stage_server,
+)
 from tests.conftest import free_port
 from tests.peers import stage_servers, start_server, wait_for_async
 
@@ -106,3 +118,47 @@ async def test_a_forward_whose_admission_waits_on_a_frozen_stage_peer_is_answere
             assert ticket.global_batch == a.collab.epoch
     finally:
         await hung.stop(0)
+
+
+FROZEN_SERVER = """
+import asyncio
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import stage_handler, start_stage_server
+
+async def main():
+    async def slow(request, context):
+        await asyncio.sleep(3600)
+
+    server, _, port = await start_stage_server(stage_handler(slow, slow, slow, slow), "127.0.0.1", 0)
+    print(port, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_call_to_a_frozen_process_fails_within_the_keepalive_not_its_deadline():
+    """A peer SIGSTOPped with a call open (a hung host) answers no HTTP/2 ping: the channel must close and fail the
+    call within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, not wait out its deadline. gRPC 1.85 bounds a ping's wait
+    by `grpc.http2.ping_timeout_ms` (default 60 s), not by `grpc.keepalive_timeout_ms`: without it, this call
+    waited its whole 30 s."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_SERVER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        port = int(server.stdout.readline())
+        async with aio_channel(f"127.0.0.1:{port}") as channel:
+            call = asyncio.ensure_future(StageStub(channel).info(pb.InfoRequest(), timeout=30))
+            await asyncio.sleep(0.5)  # the call is open on the server
+            os.kill(server.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await call
+            took = time.monotonic() - frozen
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert took < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 3, took
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+        server.wait(10)

@@ -40,6 +40,9 @@ CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),  # while calls are open; an idle channel sends nothing
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # what bounds the wait for a ping's answer in gRPC's core since it reworked pings (1.85 here: keepalive_timeout_ms
+    # alone left it at the default 60 s, and a call to a frozen peer waited out its whole deadline)
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging through a long wait for a reply
     # a restarted server is dialled again within a second or two, not after grpc's backoff of up to 2 minutes
     ("grpc.initial_reconnect_backoff_ms", 500),
