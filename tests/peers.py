@@ -7,9 +7,11 @@ import dataclasses
 import functools
 import time
 
+import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from dht.forking import forking
 from dht.node import SwarmDHT, start_dht
 from server.config import (
     AveragingConfig,
@@ -33,6 +35,26 @@ async def wait_for_async(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         await asyncio.sleep(0.05)
+
+
+async def meet(*servers: StageServer) -> None:
+    """Wait (30 s at most) until every one of `servers` lists every other as a peer of its stage."""
+    await wait_for_async(
+        lambda: all(o.sdht.peer_id in s.collab.peers.peers for s in servers for o in servers if o is not s),
+        30,
+        "the stage's peers to find each other",
+    )
+
+
+def stock_dht(initial_peers: list[str], **kwargs) -> hivemind.DHT:
+    """Blocking: a stock hivemind DHT node (no validator, no key: an outsider's), forked with the collector frozen as
+    ours are (dht/forking.py) and waited for 30 s at most: a child forked without that can hang in a gRPC finalizer,
+    and hivemind's own `start=True` waits for it for ever."""
+    with forking():
+        node = hivemind.DHT(initial_peers=initial_peers, start=False, **kwargs)
+        node.run_in_background(await_ready=False)
+    node.wait_until_ready(30)
+    return node
 
 
 async def hide_from_state_sharing(server: StageServer) -> None:

@@ -4,6 +4,10 @@ tests and the benchmarks alike."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import torch
 
 from server.collab import LocalSteps
@@ -15,12 +19,29 @@ from swarm.config import ModelConfig
 from swarm.model import Stage
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
-from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, aio_channel, start_stage_server
+from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, aio_channel, stage_handler, start_stage_server
 from swarm.protocol.tensors import encode_tensor
 from trainer.client import StageClient
 from trainer.schedule import train_microbatch
 
 CPU = torch.device("cpu")
+
+
+@contextlib.asynccontextmanager
+async def hanging_stage_server() -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A stage server on 127.0.0.1 whose every call hangs, as a frozen peer's do to its callers (its connection stays
+    up and answers pings). Yields its address and an event set once a call has come."""
+    called = asyncio.Event()
+
+    async def hang(request, context):
+        called.set()
+        await asyncio.sleep(3600)
+
+    server, _, port = await start_stage_server(stage_handler(hang, hang, hang, hang), "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{port}", called
+    finally:
+        await server.stop(0)
 
 
 class InProcessStages:

@@ -9,12 +9,10 @@ import re
 import time
 
 import grpc
-import hivemind
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dht.forking import forking
 from dht.identity import Identity
 from dht.node import SwarmDHT, start_dht
 from dht.records import stage_key
@@ -26,6 +24,7 @@ from swarm.protocol.access import CALL_WINDOW_S, METADATA_KEY, SwarmKey
 from swarm.protocol.rpc import SERVICE, StageStub, aio_channel, stage_handler, start_stage_server
 from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
+from tests.peers import stock_dht
 
 pytestmark = pytest.mark.timeout(120)
 INFO = f"/{SERVICE}/Info"
@@ -167,11 +166,8 @@ async def test_a_private_averager_serves_its_state_only_to_peers_that_proved_the
     ]
     donor_maddrs = [str(m) for m in donor_dht.get_visible_maddrs()]
 
-    def stranger_node() -> hivemind.DHT:  # a stock node with no key: it cannot bootstrap, but it dials the donor
-        with forking():
-            return hivemind.DHT(initial_peers=donor_maddrs, start=True, ensure_bootstrap_success=False)
-
-    stranger_dht = await loop.run_in_executor(None, stranger_node)
+    # a stock node with no key: it cannot bootstrap, but it dials the donor
+    stranger_dht = await loop.run_in_executor(None, lambda: stock_dht(donor_maddrs, ensure_bootstrap_success=False))
     common = dict(prefix="access_state", start=False, min_matchmaking_time=1.0, request_timeout=0.5)
     donor = StrictAverager(averaged_tensors=[torch.arange(4.0)], dht=donor_dht, allow_state_sharing=True, **common)
     donor.listed_under = stage_key("t", 0)  # before its process forks, as build_averaging does

@@ -15,6 +15,7 @@ from tests.peers import (
     MODEL,
     TIMEOUT,
     hide_from_state_sharing,
+    meet,
     server_config,
     stage_servers,
     start_server,
@@ -48,11 +49,7 @@ async def test_a_failed_round_leaves_one_model_stepped_by_the_peer_with_the_samp
             servers.append(await start_server(peers, **averaging))
         # B, the peer with the samples, is the one with the larger peer id: a tie-break by id alone would pick A
         a, b = sorted(servers, key=lambda server: server.sdht.peer_id)
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
+        await meet(a, b)
         await hide_from_state_sharing(b)
 
         gen = torch.Generator().manual_seed(1)
@@ -119,11 +116,7 @@ async def test_a_peer_that_missed_the_call_to_end_the_epoch_is_called_into_the_r
         for _ in range(2):
             servers.append(await start_server(peers))
         a, b = servers
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
+        await meet(a, b)
         tokens = torch.randint(0, MODEL.vocab_size, (4, MODEL.max_seq_len))  # half the global batch
         await b.worker.submit(
             lambda: b.worker.backward(tokens, grad_outputs=torch.randn(4, MODEL.max_seq_len, MODEL.d_model))

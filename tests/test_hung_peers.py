@@ -23,16 +23,10 @@ from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import (
-    KEEPALIVE_TIME_MS,
-    KEEPALIVE_TIMEOUT_MS,
-    StageStub,
-    aio_channel,
-    stage_handler,
-    start_stage_server,
-)
+from swarm.protocol.rpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, StageStub, aio_channel
 from tests.conftest import free_port
 from tests.peers import stage_servers, start_server, wait_for_async
+from tests.stages import hanging_stage_server
 
 
 class ListingDHT:
@@ -98,26 +92,16 @@ async def test_a_forward_whose_admission_waits_on_a_frozen_stage_peer_is_answere
     before its first admission). A frozen one holds that Progress for --peer-timeout: the Forward must be answered
     ("ask again": no ban, retried at once) before its caller's deadline rather than hang past it, which the trainer
     takes for a dead peer (a ban, and a doubled deadline for the stage's every call)."""
-    frozen = asyncio.Event()
-
-    async def hang(request, context):
-        frozen.set()
-        await asyncio.sleep(3600)
-
-    hung, _, port = await start_stage_server(stage_handler(hang, hang, hang, hang), "127.0.0.1", 0)
-    try:
-        async with stage_servers() as (initial_peers, servers):
-            servers.append(a := await start_server(initial_peers, stage=0))
-            a.collab.peers.peers["frozen"] = f"127.0.0.1:{port}"  # listed, never heard from: it must be claimed
-            started = time.monotonic()
-            with pytest.raises(AdmissionRefused, match="ask again"):
-                await a.collab.admit("mb-1", 2, deadline=started + ADMISSION_REPLY_MARGIN_S + 0.5)
-            assert time.monotonic() - started < 1.5 and frozen.is_set()
-            await wait_for_async(lambda: "frozen" not in a.collab.peers.peers, 10, "the frozen peer to be dropped")
-            ticket = await a.collab.admit("mb-1", 2, deadline=time.monotonic() + 10)
-            assert ticket.global_batch == a.collab.epoch
-    finally:
-        await hung.stop(0)
+    async with hanging_stage_server() as (address, frozen), stage_servers() as (initial_peers, servers):
+        servers.append(a := await start_server(initial_peers, stage=0))
+        a.collab.peers.peers["frozen"] = address  # listed, never heard from: it must be claimed
+        started = time.monotonic()
+        with pytest.raises(AdmissionRefused, match="ask again"):
+            await a.collab.admit("mb-1", 2, deadline=started + ADMISSION_REPLY_MARGIN_S + 0.5)
+        assert time.monotonic() - started < 1.5 and frozen.is_set()
+        await wait_for_async(lambda: "frozen" not in a.collab.peers.peers, 10, "the frozen peer to be dropped")
+        ticket = await a.collab.admit("mb-1", 2, deadline=time.monotonic() + 10)
+        assert ticket.global_batch == a.collab.epoch
 
 
 FROZEN_SERVER = """

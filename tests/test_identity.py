@@ -5,18 +5,16 @@ and, as the attacker, a stock `hivemind.DHT` that runs no validator and signs no
 import asyncio
 
 import grpc
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from dht.forking import forking
 from dht.identity import Identity, fingerprint
 from dht.node import SwarmDHT, start_dht
 from dht.records import ServerRecord, differences, settings, stage_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 from swarm.rebalance import Move, RebalanceConfig, decide
-from tests.peers import SWARM, stage_servers, start_server, wait_for_async
+from tests.peers import SWARM, meet, stage_servers, start_server, stock_dht
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -32,23 +30,14 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
         for _ in range(2):
             servers.append(await start_server(initial_peers))
         a, b = servers
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-            30,
-            "the two peers to find each other",
-        )
+        await meet(a, b)
         real = {e.peer_id: e.record for e in await a.sdht.discover(0)}
         assert set(real) == {a.sdht.peer_id, b.sdht.peer_id}
 
         # the attacker: a stock hivemind DHT node in the swarm, no validator, signing nothing
-        def stock_node() -> hivemind.DHT:  # forked with the collector frozen, like ours (dht/forking.py)
-            with forking():
-                node = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
-                node.run_in_background(await_ready=False)
-            node.wait_until_ready(30)
-            return node
-
-        attacker = await asyncio.get_running_loop().run_in_executor(None, stock_node)
+        attacker = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: stock_dht(initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        )
         try:
             key = stage_key(SWARM, 0)
             fake = ServerRecord(host="127.0.0.1", port=1, stage=0, throughput=1000.0).to_dict()

@@ -9,7 +9,7 @@ import torch
 
 from server.collab.lowrank import LowRankState
 from server.stage_server import StageServer
-from tests.peers import stage_servers, start_server, wait_for_async
+from tests.peers import meet, stage_servers, start_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -33,11 +33,7 @@ async def two_peers(initial_peers: list[str], servers: list[StageServer], **aver
     pair = [await start_server(initial_peers, **averaging) for _ in range(2)]
     servers.extend(pair)
     a, b = pair
-    await wait_for_async(
-        lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers,
-        30,
-        "the two peers to find each other",
-    )
+    await meet(a, b)
     return a, b
 
 

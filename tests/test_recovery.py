@@ -16,7 +16,7 @@ from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import stage_handler, start_stage_server
+from tests.stages import hanging_stage_server
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -124,27 +124,20 @@ async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within
     PROBE_S whether it answers: it does not within the peer timeout, the stage drops it and we step alone within
     about 2 s. Before, we waited until some Progress went its way; in the freeze soak that took 14-23 s (the
     stalls after faults on the last stage)."""
-    frozen = asyncio.Event()
-
-    async def hang(request, context):
-        frozen.set()
-        await asyncio.sleep(3600)
-
-    server, _, port = await start_stage_server(stage_handler(hang, hang, hang, hang), "127.0.0.1", 0)
-    peers = StagePeers(SimpleNamespace(peer_id="b", p2p=None), stage=1, peer_timeout=0.5)  # type: ignore[arg-type]
-    peers.peers = {"a": f"127.0.0.1:{port}"}
-    peers.record(pb.StageProgress(peer_id="a", epoch=5, samples=8))
-    averager = SimpleNamespace(allow_state_sharing=True, download_state=lambda *a, **k: None)
-    worker = Worker()
-    recovery = Recovery(worker, averager, peers, AveragingConfig(averaging_timeout=10.0), 1, pool=None)
-    recovery.loop = asyncio.get_running_loop()
-    grads = [torch.ones(3)]
-    try:
-        started = time.monotonic()
-        stepped = await asyncio.get_running_loop().run_in_executor(None, recovery.after_failed_round, grads, 4)
-        took = time.monotonic() - started
-        assert stepped is grads and frozen.is_set() and "a" not in peers.peers
-        assert took < PROBE_S + 0.5 + 1.5, took
-    finally:
-        await peers.close()
-        await server.stop(0)
+    async with hanging_stage_server() as (address, frozen):
+        peers = StagePeers(SimpleNamespace(peer_id="b", p2p=None), stage=1, peer_timeout=0.5)  # type: ignore[arg-type]
+        peers.peers = {"a": address}
+        peers.record(pb.StageProgress(peer_id="a", epoch=5, samples=8))
+        averager = SimpleNamespace(allow_state_sharing=True, download_state=lambda *a, **k: None)
+        worker = Worker()
+        recovery = Recovery(worker, averager, peers, AveragingConfig(averaging_timeout=10.0), 1, pool=None)
+        recovery.loop = asyncio.get_running_loop()
+        grads = [torch.ones(3)]
+        try:
+            started = time.monotonic()
+            stepped = await asyncio.get_running_loop().run_in_executor(None, recovery.after_failed_round, grads, 4)
+            took = time.monotonic() - started
+            assert stepped is grads and frozen.is_set() and "a" not in peers.peers
+            assert took < PROBE_S + 0.5 + 1.5, took
+        finally:
+            await peers.close()

@@ -20,7 +20,7 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import WireStats, encode_tensor
-from tests.peers import MODEL, stage_servers, start_server, wait_for_async
+from tests.peers import MODEL, meet, stage_servers, start_server, wait_for_async
 from tests.stages import random_batch, raw_call
 from trainer.client import Admission, StageClient
 
@@ -135,11 +135,7 @@ async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refus
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(last := await start_server(initial_peers, stage=1))
         servers.append(other := await start_server(initial_peers, stage=1))
-        await wait_for_async(
-            lambda: other.sdht.peer_id in last.collab.peers.peers and last.sdht.peer_id in other.collab.peers.peers,
-            30,
-            "the stage-1 peers to meet",
-        )
+        await meet(other, last)
         worker = last.service.worker
         epoch = worker.epoch
         assert other.service.worker.epoch == epoch

@@ -10,7 +10,7 @@ from dht.records import ServerRecord
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import Channels, StageStub, aio_channel
 from swarm.protocol.tls import PINS, TlsConfig, cert_fingerprint, self_signed
-from tests.peers import stage_servers, start_server, wait_for_async
+from tests.peers import meet, stage_servers, start_server, wait_for_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -26,9 +26,7 @@ async def test_tls_peers_pin_each_others_certificates_and_refuse_anything_else(c
         servers.append(await start_server(peers, tls=TlsConfig(tls_self_signed=True)))
         a, b = servers
         # stage peers found each other and exchange Progress over TLS, pinned from each other's records
-        await wait_for_async(
-            lambda: a.sdht.peer_id in b.collab.peers.peers and b.sdht.peer_id in a.collab.peers.peers, 30, "peers"
-        )
+        await meet(a, b)
         await a.collab.after_backward()  # a Progress to b
         await wait_for_async(lambda: b.collab.peers.heard_from(a.sdht.peer_id), 10, "b to hear a's Progress")
         lines = [r.getMessage() for r in caplog.records if r.name == "swarm.server"]
