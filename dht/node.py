@@ -117,9 +117,8 @@ def start_dht(
         try:
             dht.wait_until_ready(START_TIMEOUT_S)
             return dht
-        except (
-            concurrent.futures.TimeoutError
-        ):  # a child forked from a multithreaded process can hang before it is ready: seen in CI
+        # a child forked from a process with threads can hang before it is ready (the likeliest cause of a CI hang)
+        except concurrent.futures.TimeoutError:
             _end(dht)
             logger.warning("the DHT node did not start within %.0fs (attempt %d)", START_TIMEOUT_S, attempt + 1)
         except Exception as e:  # hivemind's "bootstrap failed: none of the initial_peers responded"

@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us read the DHT
 
 
+def _idle(task: asyncio.Future | None) -> bool:
+    return task is None or task.done()
+
+
 class ProgressRefused(Exception):
     """A Progress message that must not count: unsigned, from a peer the DHT does not list on this stage, or
     implausible. The sender gets PERMISSION_DENIED."""
@@ -461,6 +465,10 @@ class StageCollaboration:
             await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
 
     async def _poll_forever(self) -> None:
+        """Only spawns: neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile
+        (a DHT read that waited out its timeout on a frozen peer's node delayed them past --peer-timeout, and the
+        rounds this loop ran itself had none). One read and one check of the epoch's end run at a time; the tasks
+        log their own failures (`_finished`)."""
         last_refresh = last_heartbeat = 0.0
         while True:
             try:
@@ -468,28 +476,19 @@ class StageCollaboration:
             except TimeoutError:
                 pass
             self._kick.clear()
-            try:
-                if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
-                    # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead)
-                    # leaves the group within --peer-timeout, and a round left with nobody gives up at once instead
-                    # of holding the compute thread for --averaging-timeout (averaging.py, `nobody_left`). And call
-                    # into the round a peer still accumulating the epoch (it joined, or copied a state, after our
-                    # call to end it): it would otherwise come only on its own count, or a call from a later epoch
-                    last_heartbeat = time.monotonic()
-                    self._spawn(self._broadcast(end_epoch=False, ending=self._ending))
-                # neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile (a
-                # DHT read that waited out its timeout on a frozen peer's node delayed them past --peer-timeout, and
-                # the rounds this loop ran itself had none); one of each runs at a time
-                idle = [task is None or task.done() for task in (self._refreshing, self._checking)]
-                if time.monotonic() - last_refresh > self.network.announce_period and idle[0]:
-                    last_refresh = time.monotonic()
-                    self._refreshing = self._spawn(self._refresh())
-                if idle[1]:
-                    self._checking = self._spawn(self._maybe_end_epoch())
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                logger.warning("progress check failed: %r", e)
+            if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
+                # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead) leaves
+                # the group within --peer-timeout, and a round left with nobody gives up at once instead of holding
+                # the compute thread for --averaging-timeout (averaging.py, `nobody_left`). And call into the round a
+                # peer still accumulating the epoch (it joined, or copied a state, after our call to end it): it would
+                # otherwise come only on its own count, or on a call from a later epoch
+                last_heartbeat = time.monotonic()
+                self._spawn(self._broadcast(end_epoch=False, ending=self._ending))
+            if time.monotonic() - last_refresh > self.network.announce_period and _idle(self._refreshing):
+                last_refresh = time.monotonic()
+                self._refreshing = self._spawn(self._refresh())
+            if _idle(self._checking):
+                self._checking = self._spawn(self._maybe_end_epoch())
 
     async def _refresh(self) -> None:
         await self.peers.refresh()
