@@ -17,6 +17,7 @@ from dht.node import SwarmDHT
 from dht.records import settings
 from server.config import ServerConfig
 from server.stage_server import StageServer
+from swarm import stacks
 from swarm.cli import (
     add_config_args,
     add_config_file_arg,
@@ -34,6 +35,7 @@ async def _main(server: StageServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stacks.dump_on_signal(loop)  # kill -USR1: what this process is doing
     await server.run(stop)
 
 

@@ -17,10 +17,11 @@ from hivemind.utils.multiaddr import Multiaddr
 from dht.node import SwarmDHT
 from dht.records import parse_p2p_id
 from swarm.net import is_unspecified
-from swarm.protocol.reach import Reachability, check_reachability
+from swarm.protocol.reach import MIN_INTERVAL_S, Reachability, check_reachability
 
 logger = logging.getLogger(__name__)
 MAX_HELPERS = 3
+ATTEMPTS = 3  # self-tests that no helper could answer, before serving without knowing
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class SelfTest:
             where = collections.Counter(r.reachable).most_common(1)[0][0]
             return f"reachable: {len(r.reachable)} of {r.asked} swarm peers asked dialled our Stage service at {where}"
         if not r.answered:
-            return f"could not check whether the swarm can reach us: none of {r.asked} peers asked could check"
+            why = f": {'; '.join(r.declined)}" if r.declined else ""
+            return f"could not check whether the swarm can reach us: none of {r.asked} peers asked could check{why}"
         failures = "; ".join(f"{where}: {why}" for where, why in r.unreachable)
         return (
             f"NOT reachable: {len(r.unreachable)} of {r.asked} swarm peers could not dial our Stage service "
@@ -62,11 +64,22 @@ async def self_test(
     sdht: SwarmDHT, initial_peers: Sequence[str], n_stages: int, host: str, port: int, tls_cert: str = ""
 ) -> SelfTest:
     """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us; `tls_cert`: over
-    TLS, trusting that certificate)."""
-    found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
-    servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries]
-    helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
-    result = await check_reachability(await sdht.p2p(), helpers, host, port, tls_cert)
+    TLS, trusting that certificate). If none of them could check (busy, slow, not yet connected to us), ask again,
+    up to ATTEMPTS times in all, as often as a helper answers one asker (the servers of the swarm may have changed)."""
+    for attempt in range(1, ATTEMPTS + 1):
+        found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
+        servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries]
+        helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
+        result = await check_reachability(await sdht.p2p(), helpers, host, port, tls_cert)
+        if result.answered or not helpers or attempt == ATTEMPTS:
+            break
+        logger.info(
+            "reachability self-test: none of %d peers asked could check (%s); asking again in %.0fs",
+            len(helpers),
+            "; ".join(result.declined),
+            MIN_INTERVAL_S,
+        )
+        await asyncio.sleep(MIN_INTERVAL_S)
     if not is_unspecified(host):
         return SelfTest(result, host)
     # where they see us, even if they could not dial us there: the address to fix, and to announce meanwhile

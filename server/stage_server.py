@@ -7,6 +7,7 @@ import asyncio
 import enum
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from server.reachability import self_test
 from server.rebalancer import Rebalancer, sleep_unless
 from server.service import StageSchema, StageService
 from server.worker import StageWorker
+from swarm import stacks
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.model import Stage
@@ -36,6 +38,7 @@ from swarm.protocol.rpc import SERVICE, start_stage_server
 from swarm.protocol.tls import ServerTls
 
 logger = logging.getLogger("swarm.server")
+MOVE_GRACE_S = 15.0  # a move runs longer than its drains plus this: log what it waits on (swarm/stacks.py)
 
 
 class PeerState(enum.Enum):
@@ -298,8 +301,19 @@ class StageServer:
         self.joined_at, self.state, self.destination = get_dht_time(), PeerState.MOVING, dst
         await self.announce(ready=False, stage=dst)  # kept fresh by `announce_forever` until we serve dst
         throughput = self.worker.throughput
-        await self.leave(f"this peer is moving from stage {src} to stage {dst}")
-        await self.enter(dst, throughput)
+        bound = self.cfg.migration_drain_s + self.cfg.network.drain_timeout + MOVE_GRACE_S
+        watchdog = threading.Timer(
+            bound,
+            stacks.dump,
+            (f"the move from stage {src} to stage {dst} still runs after {bound:.0f}s", asyncio.get_running_loop()),
+        )
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            await self.leave(f"this peer is moving from stage {src} to stage {dst}")
+            await self.enter(dst, throughput)
+        finally:
+            watchdog.cancel()
         self.moves += 1
         self.service.moves = self.moves
         logger.info(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dht.reaper import ensure_reaper
+from swarm.stacks import describe_tasks
 
 
 def processes_with_marker(marker: str) -> list[tuple[int, str]]:
@@ -97,11 +98,7 @@ def _asyncio_tasks_on_timeout(request):
 
     def dump() -> None:
         tasks = [t for t in gc.get_objects() if isinstance(t, asyncio.Task) and not t.done()]
-        print(f"\n{len(tasks)} pending asyncio tasks {timeout - 3:.0f}s into {request.node.nodeid}:", file=sys.stderr)
-        for task in tasks:
-            print(f"  {task.get_name()}, waiting on {task._fut_waiter!r:.200}:", file=sys.stderr)
-            for line in await_chain(task.get_coro()):
-                print(f"    {line}", file=sys.stderr)
+        print(f"\n{timeout - 3:.0f}s into {request.node.nodeid}, {describe_tasks(tasks)}", file=sys.stderr)
 
     timer = threading.Timer(timeout - 3, dump)
     timer.daemon = True
@@ -110,18 +107,6 @@ def _asyncio_tasks_on_timeout(request):
         yield
     finally:
         timer.cancel()
-
-
-def await_chain(coro) -> list[str]:
-    """Where a coroutine is suspended: the frame of each coroutine it awaits, outermost first (a task's own stack
-    shows only the outermost)."""
-    lines = []
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
-        if frame is not None:
-            lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
-    return lines
 
 
 _EXIT_STATUS = [0]

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from dht.node import start_dht
+from dht.node import SwarmDHT, start_dht
+from server import reachability
 from server.reachability import helper_ids
 from swarm.net import join_host_port, listen_multiaddrs
 from swarm.protocol import reach
@@ -191,3 +192,33 @@ async def test_a_server_on_ipv6_loopback_serves_and_announces_a_bracketed_addres
         assert [e.record.address for e in entries] == [f"[::1]:{server.endpoint.port}"]
         async with aio_channel(server.record().address) as channel:
             assert (await StageStub(channel).info(pb.InfoRequest(), timeout=5)).p2p_id == server.sdht.p2p_id
+
+
+async def test_a_self_test_that_no_helper_could_answer_asks_again(nodes, monkeypatch, caplog):
+    """A helper that is busy (or slow, or not yet connected to us) the first time: the starting server asks again
+    once the helper's interval has passed, rather than serving without knowing whether anyone can dial it."""
+    helper, _, _ = nodes
+    monkeypatch.setattr(reach, "MIN_INTERVAL_S", 1.0)
+    monkeypatch.setattr(reachability, "MIN_INTERVAL_S", 1.0)
+    initial_peers = [str(m) for m in await helper.get_visible_maddrs()]
+    sdht = await asyncio.get_running_loop().run_in_executor(None, SwarmDHT.start, "t", initial_peers)
+    ours, port = await info_server(sdht.p2p_id)
+    try:
+        asker = await sdht.p2p()
+        assert (await check_reachability(asker, [helper.peer_id], "127.0.0.1", port)).ok  # the helper's interval starts
+        with caplog.at_level(logging.INFO, logger="server.reachability"):
+            test = await reachability.self_test(sdht, initial_peers, 1, "127.0.0.1", port)
+        assert test.result.ok, test.result
+        retried = [r.getMessage() for r in caplog.records if "asking again" in r.getMessage()]
+        assert len(retried) == 1 and "busy" in retried[0], retried
+        assert test.report(port, "--x").startswith("reachable: 1 of 1")
+    finally:
+        await ours.stop(None)
+        sdht.shutdown()
+
+
+def test_a_report_that_nobody_could_check_says_why_in_printable_words():
+    result = reach.Reachability(asked=2, reachable=[], unreachable=[], declined=["busy: ask again in 10s", "x"])
+    report = reachability.SelfTest(result, None).report(7000, "--x")
+    assert report.endswith("none of 2 peers asked could check: busy: ask again in 10s; x")
+    assert reach.printable("a\x1b[31mb\nc") == "a\ufffd[31mb\ufffdc"

@@ -12,6 +12,7 @@ import uvloop
 
 from dht.node import SwarmDHT
 from dht.records import settings
+from swarm import stacks
 from swarm.cli import (
     add_config_args,
     add_config_file_arg,
@@ -34,6 +35,7 @@ async def _main(cfg: TrainerConfig, model_cfg: ModelConfig, sdht: SwarmDHT) -> d
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stacks.dump_on_signal(loop)  # kill -USR1: what this process is doing
     data = batches(
         cfg.data,
         batch_size=cfg.batch_size,

@@ -17,7 +17,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -127,6 +127,11 @@ def valid_host(host: str) -> bool:
     return 0 < len(host) <= MAX_HOST_CHARS and all(_LABEL.fullmatch(label) for label in labels)
 
 
+def printable(text: str) -> str:
+    """A helper's words, for our log: no control characters or terminal escapes."""
+    return "".join(c if c.isprintable() else "\ufffd" for c in text)
+
+
 def is_local(host: str) -> bool:
     """This machine's own addresses: loopback (and link-local, which only neighbours could mean)."""
     if host.lower().rstrip(".") == "localhost":
@@ -146,6 +151,7 @@ class Reachability:
     asked: int
     reachable: list[str]
     unreachable: list[tuple[str, str]]  # (host:port dialled, why it failed)
+    declined: list[str] = field(default_factory=list)  # why the others could not check (busy, no answer, ...)
 
     @property
     def ok(self) -> bool:
@@ -166,19 +172,22 @@ async def check_reachability(
     if access.KEY is not None:
         request.proof = access.KEY.peer_proof(PROOF_PURPOSE, p2p.peer_id.to_bytes())
 
-    async def ask(peer: PeerID) -> pb.ReachReply | None:
+    async def ask(peer: PeerID) -> pb.ReachReply:
         try:
             reply = await asyncio.wait_for(
                 p2p.call_protobuf_handler(peer, HANDLER, request, pb.ReachReply), ASK_TIMEOUT_S
             )
         except Exception as e:  # libp2p's errors, a helper without the handler, a timeout
             logger.debug("reach check: %s did not answer: %r", peer, e)
-            return None
-        return reply if len(reply.dialled) <= MAX_HOST_CHARS + 8 and len(reply.detail) <= 200 else None
+            return pb.ReachReply(detail=f"{peer.to_base58()[-6:]} did not answer ({type(e).__name__})")
+        if len(reply.dialled) > MAX_HOST_CHARS + 8 or len(reply.detail) > 200:
+            return pb.ReachReply(detail=f"{peer.to_base58()[-6:]} answered out of bounds")
+        return reply
 
-    replies = [r for r in await asyncio.gather(*(ask(p) for p in helpers)) if r is not None]
+    replies = await asyncio.gather(*(ask(p) for p in helpers))
     return Reachability(
         asked=len(helpers),
         reachable=[r.dialled for r in replies if r.reachable],
-        unreachable=[(r.dialled, r.detail) for r in replies if r.dialled and not r.reachable],
+        unreachable=[(printable(r.dialled), printable(r.detail)) for r in replies if r.dialled and not r.reachable],
+        declined=[printable(r.detail) for r in replies if not r.dialled and not r.reachable],
     )

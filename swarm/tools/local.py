@@ -266,7 +266,18 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt):
+            self.stop_all()
+            return
+        # a test or a tool failed in here: say what each peer logged last, for a failure only a CI log will show; then
+        # have each server and trainer write what it is doing into its log (swarm/stacks.py), and stop them
+        for child in self.children.values():
+            print(f"--- the last lines of {child.log_path}:\n{self.tail(child, 30)}", file=sys.stderr)
+        for child in self.children.values():
+            if child.alive() and child.name.startswith(("server", "trainer")):
+                child.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
         self.stop_all()
 
     def spawn(self, name: str, module: str, args: list[str]) -> Child:
