@@ -64,14 +64,15 @@ async def self_test(
     sdht: SwarmDHT, initial_peers: Sequence[str], n_stages: int, host: str, port: int, tls_cert: str = ""
 ) -> SelfTest:
     """Ask up to MAX_HELPERS swarm peers to dial host:port (`host` unspecified: where they see us; `tls_cert`: over
-    TLS, trusting that certificate). If none of them could check (busy, slow, not yet connected to us), ask again,
-    up to ATTEMPTS times in all, as often as a helper answers one asker (the servers of the swarm may have changed)."""
+    TLS, trusting that certificate). If none of them could check for a reason that passes (busy, slow, not yet
+    connected to us), ask again, up to ATTEMPTS times in all, as often as a helper answers one asker (the servers of
+    the swarm may have changed meanwhile)."""
     for attempt in range(1, ATTEMPTS + 1):
         found = await asyncio.gather(*(sdht.lookup(s) for s in range(n_stages)), return_exceptions=True)
         servers = [e.record.p2p_id for entries in found if isinstance(entries, list) for e in entries]
         helpers = helper_ids(initial_peers, servers, sdht.p2p_id)
         result = await check_reachability(await sdht.p2p(), helpers, host, port, tls_cert)
-        if result.answered or not helpers or attempt == ATTEMPTS:
+        if not result.worth_asking_again or attempt == ATTEMPTS:
             break
         logger.info(
             "reachability self-test: none of %d peers asked could check (%s); asking again in %.0fs",

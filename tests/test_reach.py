@@ -222,3 +222,17 @@ def test_a_report_that_nobody_could_check_says_why_in_printable_words():
     report = reachability.SelfTest(result, None).report(7000, "--x")
     assert report.endswith("none of 2 peers asked could check: busy: ask again in 10s; x")
     assert reach.printable("a\x1b[31mb\nc") == "a\ufffd[31mb\ufffdc"
+
+
+def test_only_a_decline_that_may_pass_is_worth_asking_again():
+    def declined(*why):
+        return reach.Reachability(asked=len(why), reachable=[], unreachable=[], declined=list(why))
+
+    assert declined("busy: ask again in 10s").worth_asking_again
+    assert declined("x1y2z3 could not be asked (P2PHandlerError)", "x1y2z3 did not answer in time").worth_asking_again
+    assert declined("no direct connection to the asker (relayed?)").worth_asking_again
+    assert not declined("x1y2z3 could not be asked (P2PHandlerError)").worth_asking_again  # a node without the handler
+    assert not declined("refused: this swarm is private and the request did not prove its key").worth_asking_again
+    assert not declined().worth_asking_again  # nobody to ask
+    unreachable = reach.Reachability(asked=2, reachable=[], unreachable=[("1.2.3.4:5", "no")], declined=["busy"])
+    assert not unreachable.worth_asking_again  # one answered

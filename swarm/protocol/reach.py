@@ -38,6 +38,7 @@ MAX_HOST_CHARS = 253
 _LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # one dot-separated part of a DNS name
 ASK_TIMEOUT_S = 2 * DIAL_TIMEOUT_S + 2.0  # the node's dial plus libp2p's round trips
 PROOF_PURPOSE = b"reach"
+TRANSIENT = ("busy", "no direct connection", "did not answer in time")  # declines that may pass
 
 
 def host_of(maddr: Multiaddr) -> str | None:
@@ -158,6 +159,12 @@ class Reachability:
         return bool(self.reachable)
 
     @property
+    def worth_asking_again(self) -> bool:
+        """No helper could check, and at least one for a reason that passes: it was busy, slow, or had no direct
+        connection to us yet (not: a helper without the handler, or one that refused us)."""
+        return not self.answered and any(reason in d for d in self.declined for reason in TRANSIENT)
+
+    @property
     def answered(self) -> bool:
         return bool(self.reachable or self.unreachable)
 
@@ -179,7 +186,10 @@ async def check_reachability(
             )
         except Exception as e:  # libp2p's errors, a helper without the handler, a timeout
             logger.debug("reach check: %s did not answer: %r", peer, e)
-            return pb.ReachReply(detail=f"{peer.to_base58()[-6:]} did not answer ({type(e).__name__})")
+            why = (
+                "did not answer in time" if isinstance(e, TimeoutError) else f"could not be asked ({type(e).__name__})"
+            )
+            return pb.ReachReply(detail=f"{peer.to_base58()[-6:]} {why}")
         if len(reply.dialled) > MAX_HOST_CHARS + 8 or len(reply.detail) > 200:
             return pb.ReachReply(detail=f"{peer.to_base58()[-6:]} answered out of bounds")
         return reply
