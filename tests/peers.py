@@ -22,7 +22,7 @@ from server.config import (
     ServerConfig,
 )
 from server.stage_server import StageServer
-from swarm.config import model_config
+from swarm.config import ModelConfig, model_config
 from swarm.protocol.tls import TlsConfig
 
 MODEL = model_config("local_debug", d_model=32, n_heads=2, d_ff=64, max_seq_len=16, n_stages=2, layers_per_stage=1)
@@ -68,15 +68,20 @@ async def hide_from_state_sharing(server: StageServer) -> None:
 
 
 async def start_server(
-    initial_peers: list[str], network: dict | None = None, tls: TlsConfig | None = None, stage: int = 0, **averaging
+    initial_peers: list[str],
+    network: dict | None = None,
+    tls: TlsConfig | None = None,
+    stage: int = 0,
+    model: ModelConfig = MODEL,
+    **averaging,
 ) -> StageServer:
-    """A peer of `stage`; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the tests'
-    defaults."""
+    """A peer of `stage` of `model`; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the
+    tests' defaults."""
     loop = asyncio.get_running_loop()
     sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
     cfg = server_config(initial_peers, **averaging)
     cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, **(network or {})), tls=tls or TlsConfig())
-    server = StageServer(cfg, MODEL, sdht, torch.device("cpu"))
+    server = StageServer(cfg, model, sdht, torch.device("cpu"))
     await server.enter(stage)
     return server
 
@@ -102,6 +107,6 @@ def server_config(initial_peers: list[str], **averaging) -> ServerConfig:
         optimizer=OptimizerConfig(clip_grad_norm=0.0),
         compute=ComputeConfig(torch_threads=1),
         epochs=EpochConfig(samples_per_step=8, progress_period=0.1),
-        averaging=AveragingConfig(matchmaking_time=0.5, averaging_timeout=TIMEOUT, **averaging),
+        averaging=AveragingConfig(**{"matchmaking_time": 0.5, "averaging_timeout": TIMEOUT, **averaging}),
         rebalance=False,
     )

@@ -50,8 +50,9 @@ def hivemind_compression(codec: Codec) -> CompressionBase:
 
 
 def butterfly_bytes(codec: Codec, numel: int, dtype: torch.dtype, group: int) -> int:
-    """Bytes one peer sends and receives in a butterfly all-reduce of `numel` values over `group` peers: it sends
-    (group-1)/group of its tensor to the other reducers and gets as much back."""
+    """Bytes one peer sends in a butterfly all-reduce of `numel` values over `group` peers (it receives as many): the
+    (group-1)/group of its tensor that other peers reduce, then its own reduced part to each of them. What the
+    peers' daemons send over TCP is within 1% of this in a fixed group (tests/benchmarks/bench_socket_bytes.py)."""
     return int(2 * codec.encoded_bytes(numel, dtype) * (group - 1) / group)
 
 

@@ -13,6 +13,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_wan | relative throughput behind shaping proxies (wan_proxy.py): bandwidth x RTT x codec |
 | bench_quality | held-out loss of swarm-local configurations against one process trained on the same samples |
 | bench_lowrank | ACP-SGD in one process: held-out loss over rank and ablations against whole gradients; bytes per round |
+| bench_socket_bytes | stage all-reduce bytes the peers' daemons send over TCP, against the servers' count and fp32, per codec |
 | bench_backprop | pipeline codecs and boundaries in one process: held-out loss against fp32, bytes per direction |
 | bench_flood | a real server's RSS under rounds of concurrent large requests; every call answered within its deadline |
 | bench_robust | --robust-clip's reducer: time against the weighted mean's; error with one attacking sender against the honest mean |
@@ -39,6 +40,7 @@ BENCHMARKS = (
     "wan",
     "quality",
     "lowrank",
+    "socket_bytes",
     "backprop",
     "flood",
     "robust",
