@@ -3,6 +3,8 @@ numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which 
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
 import asyncio
+import gc
+import logging
 import math
 import os
 import signal
@@ -24,7 +26,7 @@ from hivemind.utils import get_dht_time
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
-from server.collab.hivemind_compat import ClippedPartReducer, ExactAllReduceRunner, StrictAverager
+from server.collab.hivemind_compat import ClippedPartReducer, ExactAllReduceRunner, StrictAverager, _declared
 from swarm.compression import get_codec
 
 pytestmark = pytest.mark.timeout(120)
@@ -383,3 +385,20 @@ def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
             averager.shutdown()
         for dht in (*dhts, boot):
             dht.shutdown()
+
+
+async def test_a_state_declaration_that_fails_is_read_and_logged_not_left_to_asyncio(caplog):
+    """hivemind's averager declared its state in the DHT from tasks nobody read: a store that timed out (a frozen
+    peer's DHT node) printed asyncio's "Task exception was never retrieved" with a traceback, in every server's log."""
+
+    async def store_that_times_out():
+        raise TimeoutError
+
+    with caplog.at_level(logging.DEBUG, logger="server.collab.hivemind_compat"):
+        store = asyncio.create_task(store_that_times_out())
+        store.add_done_callback(_declared)
+        await asyncio.wait({store})
+        del store
+        gc.collect()
+    assert "declaring our state for download in the DHT failed: TimeoutError()" in caplog.text
+    assert "never retrieved" not in caplog.text

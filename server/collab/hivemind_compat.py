@@ -25,6 +25,7 @@ An upgrade of hivemind means re-reading exactly what this module touches:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -78,6 +79,11 @@ def start_in_background(averager: DecentralizedAverager) -> None:
             averager.run_in_background(await_ready=False)
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def _declared(store: asyncio.Task) -> None:
+    if not store.cancelled() and (e := store.exception()) is not None:
+        logger.debug("declaring our state for download in the DHT failed: %r", e)
 
 
 async def _known(peer_id: str, _dht, node) -> bool:
@@ -372,6 +378,28 @@ class StrictAverager(DecentralizedAverager):
         if self._members is None:
             return self.listed_under is not None
         return peer_id not in self._members
+
+    async def _declare_for_download_periodically(self) -> None:
+        """The averager's process: hivemind's loop that tells the DHT whether (and how eagerly) we share our state,
+        once per `declare_state_period` or when that changes. Its stores ran as tasks nobody awaited, so one that
+        timed out (a frozen peer's DHT node) was logged as asyncio's "Task exception was never retrieved"; here each
+        one's failure is read and logged at debug level."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        stores: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
+        was_sharing = self.allow_state_sharing
+        while True:
+            expiration = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or was_sharing:  # say so once more when it was just switched off
+                priority = self.state_sharing_priority if self.allow_state_sharing else None
+                future = self.dht.store(key, priority, expiration, subkey=self.peer_id.to_bytes(), return_future=True)
+                store = asyncio.create_task(asyncio.wait_for(future, timeout=expiration - get_dht_time()))
+                stores.add(store)
+                store.add_done_callback(_declared)
+                store.add_done_callback(stores.discard)
+                was_sharing = self.allow_state_sharing
+            self._state_updated.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, expiration - get_dht_time()))
 
     async def _listed(self, peer_id: PeerID) -> bool:
         """The averager's process: whether `peer_id` proved the swarm key to our DHT node (it is in its routing table:
