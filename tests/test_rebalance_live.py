@@ -90,9 +90,13 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
     all_moves = [m for m in made.values() for m in m]
     print(f"\nmoves per server:\n{log}\npeers per stage over time: {peers[::5]}")
     for path in sorted(tmp_path.glob("server-*.log")):  # how long each move took, and why
-        for line in path.read_text().splitlines():
+        lines = path.read_text().splitlines()
+        for line in lines:
             if MOVE_LOG.search(line):
                 print(f"{path.stem}: {line[24:]}")
+        stuck = next((i for i, line in enumerate(lines) if "--- stacks: the move" in line), None)
+        if stuck is not None:  # a move outlasted its bound: what it waited on (swarm/stacks.py), for CI's log
+            print("\n".join(lines[stuck : stuck + 300]))
     assert sorted(all_moves) == [(0, 1), (0, 2)], f"expected one move 0->1 and one 0->2:\n{log}"
     assert final["lost_microbatches"] == 0
     assert peers[-1][1] == [2, 2, 2], peers[-10:]
