@@ -38,8 +38,9 @@ def describe_tasks(tasks: list[asyncio.Task]) -> str:
 
 def dump(reason: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Any thread: write every thread's stack to stderr now, and `loop`'s pending tasks (logged) when it next runs."""
-    print(f"--- stacks: {reason}", file=sys.__stderr__, flush=True)  # the process's own stderr: its log
-    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    out = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr  # the process's own stderr: its log
+    print(f"--- stacks: {reason}", file=out, flush=True)
+    faulthandler.dump_traceback(file=out, all_threads=True)
     if loop is not None and not loop.is_closed():
         loop.call_soon_threadsafe(log_tasks, reason)
 
