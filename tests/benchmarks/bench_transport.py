@@ -69,9 +69,10 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-async def until_relayed(client: StageClient, address: str, x: torch.Tensor, timeout: float = 120.0) -> None:
+async def until_relayed(client: StageClient, address: str, x: torch.Tensor, timeout: float = 60.0) -> bool:
     """Calls until the relay has the server's reservation (libp2p takes a few seconds to make it) and 5 calls in a
-    row went through (a relayed stream now and then closes before its reply ends); logs each failure."""
+    row went through; logs each failure. False if that did not happen within `timeout` seconds: relayed calls of
+    this size fail (see the README's known limit), and the relayed variants are left out."""
     deadline, in_a_row = time.monotonic() + timeout, 0
     while in_a_row < 5:
         try:
@@ -80,9 +81,11 @@ async def until_relayed(client: StageClient, address: str, x: torch.Tensor, time
         except grpc.aio.AioRpcError as e:
             common.log(f"through the relay: {e.details()}")
             if time.monotonic() > deadline:
-                raise
+                common.log(f"no 5 relayed calls in a row within {timeout:.0f}s: the relayed variants are left out")
+                return False
             in_a_row = 0
             await asyncio.sleep(1.0)
+    return True
 
 
 def raw_chunks(n_bytes: int) -> list[bytes]:
@@ -137,7 +140,7 @@ async def run(repeats: int) -> dict:
             for p2p in (server_p2p, natted_p2p):
                 await serve_over_p2p(p2p, service.forward, service.backward, service.info, service.progress)
             p2p_address, relayed_address = f"p2p:{server_dht.peer_id}", f"p2p:{natted_dht.peer_id}"
-            await until_relayed(relayed_clients["none"], relayed_address, x)
+            relayed = await until_relayed(relayed_clients["none"], relayed_address, x)
 
             def stage_call(client: StageClient, to: str = address):
                 async def call() -> None:
@@ -164,9 +167,12 @@ async def run(repeats: int) -> dict:
                 "stage RPC, blockwise8": stage_call(clients["blockwise8"]),
                 "stage RPC over libp2p, codec none": stage_call(p2p_clients["none"], p2p_address),
                 "stage RPC over libp2p, blockwise8": stage_call(p2p_clients["blockwise8"], p2p_address),
-                "stage RPC through a relay, codec none": stage_call(relayed_clients["none"], relayed_address),
-                "stage RPC through a relay, blockwise8": stage_call(relayed_clients["blockwise8"], relayed_address),
             }
+            if relayed:
+                fns["stage RPC through a relay, codec none"] = stage_call(relayed_clients["none"], relayed_address)
+                fns["stage RPC through a relay, blockwise8"] = stage_call(
+                    relayed_clients["blockwise8"], relayed_address
+                )
             common.log(f"transport: {len(fns)} variants x {repeats} interleaved rounds")
             times = await common.ainterleaved(fns, repeats, warmup=3)
     finally:
