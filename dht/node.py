@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from swarm.protocol.tls import pin
 logger = logging.getLogger(__name__)
 RELAY_MODES = ("use", "reserve", "no-listen", "serve")
 START_TIMEOUT_S = 60.0  # a DHT node starts in about a second; its bootstrap pings wait DHT_WAIT_TIMEOUT_S each
+BOOTSTRAP_PAUSES_S = (2.0, 4.0)  # between starts whose bootstrap peers did not answer: 3 starts in all
 START_ATTEMPTS = 2
 
 
@@ -110,7 +112,8 @@ def start_dht(
             wait_timeout=wait_timeout,
         )
 
-    for attempt in range(START_ATTEMPTS):
+    hung = unanswered = 0
+    while True:
         dht = node()
         with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
             dht.run_in_background(await_ready=False)
@@ -120,17 +123,30 @@ def start_dht(
         # a child forked from a process with threads can hang before it is ready (the likeliest cause of a CI hang)
         except concurrent.futures.TimeoutError:
             _end(dht)
-            logger.warning("the DHT node did not start within %.0fs (attempt %d)", START_TIMEOUT_S, attempt + 1)
+            hung += 1
+            logger.warning("the DHT node did not start within %.0fs (attempt %d)", START_TIMEOUT_S, hung)
+            if hung == START_ATTEMPTS:
+                raise RuntimeError(
+                    f"the DHT node did not start within {START_TIMEOUT_S:.0f}s, {START_ATTEMPTS} times"
+                ) from None
         except Exception as e:  # hivemind's "bootstrap failed: none of the initial_peers responded"
             _end(dht)
             if "bootstrap" not in str(e):
                 raise
-            ours = f"this peer's key is swarm {swarm_key.swarm_id}" if swarm_key else "this peer has no --swarm-key"
-            raise RuntimeError(
-                f"no DHT peer of --initial-peers answered. Check the addresses; a private swarm answers only peers "
-                f"with its key ({ours})"
-            ) from None
-    raise RuntimeError(f"the DHT node did not start within {START_TIMEOUT_S:.0f}s, {START_ATTEMPTS} times")
+            unanswered += 1
+            if unanswered == len(BOOTSTRAP_PAUSES_S) + 1:
+                ours = f"this peer's key is swarm {swarm_key.swarm_id}" if swarm_key else "this peer has no --swarm-key"
+                raise RuntimeError(
+                    f"no DHT peer of --initial-peers answered, {unanswered} times. Check the addresses; a private "
+                    f"swarm answers only peers with its key ({ours})"
+                ) from None
+            # a bootstrap node that is starting, loaded, or slow to accept a node that cannot be dialled back (one
+            # behind NAT: --dht-no-listen): seen to fail one start of two in a row, and answer the next
+            pause = BOOTSTRAP_PAUSES_S[unanswered - 1]
+            logger.warning(
+                "no DHT peer of --initial-peers answered (attempt %d); asking again in %.0fs", unanswered, pause
+            )
+            time.sleep(pause)
 
 
 def _end(dht: hivemind.DHT) -> None:

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import hivemind
@@ -12,7 +13,7 @@ import pytest
 
 from dht import node
 from dht.reaper import _alive, _cmdline, _processes, daemon_sockets, descendants
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
 
 PEER = """
 import os, sys
@@ -118,3 +119,28 @@ def test_a_dht_child_that_never_gets_ready_is_a_clear_error(monkeypatch, tmp_pat
     with pytest.raises(RuntimeError, match=f"did not start within 1s, {node.START_ATTEMPTS} times"):
         node.start_dht()
     assert _gone(tmp_path)
+
+
+def test_a_bootstrap_peer_that_answers_late_is_asked_again_and_one_that_never_does_is_a_clear_error(tmp_path, caplog):
+    """A bootstrap node that is down for a moment (starting, restarting, loaded) when a peer starts: the peer asks it
+    again 2 s later instead of exiting. One that never answers: the clear error, after 3 starts."""
+    key, port = str(tmp_path / "boot.key"), free_port()
+    boot = node.start_dht(identity_path=key, port=port)  # writes its libp2p key: the same peer id again below
+    maddrs = [str(m) for m in boot.get_visible_maddrs()]
+    boot.shutdown()
+    later = threading.Timer(1.0, lambda: started.append(node.start_dht(identity_path=key, port=port)))
+    started: list = []
+    later.start()
+    try:
+        with caplog.at_level("WARNING", logger="dht.node"):
+            peer = node.start_dht(maddrs)
+        peer.shutdown()
+        assert "no DHT peer of --initial-peers answered (attempt 1); asking again in 2s" in caplog.text
+    finally:
+        later.join()
+        for dht in started:
+            dht.shutdown()
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="no DHT peer of --initial-peers answered, 3 times"):
+        node.start_dht(maddrs)  # nobody there now
+    assert time.monotonic() - began >= sum(node.BOOTSTRAP_PAUSES_S)
