@@ -236,3 +236,35 @@ def test_only_a_decline_that_may_pass_is_worth_asking_again():
     assert not declined().worth_asking_again  # nobody to ask
     unreachable = reach.Reachability(asked=2, reachable=[], unreachable=[("1.2.3.4:5", "no")], declined=["busy"])
     assert not unreachable.worth_asking_again  # one answered
+
+
+async def test_a_helper_that_answers_garbage_is_bounded_and_cannot_write_escapes_into_our_log(nodes):
+    """A hostile helper: a reply beyond the size bounds counts as no check (and is not asked again), and the words of
+    one within them reach our log only as printable text."""
+    helper, asker, _ = nodes
+    loop = asyncio.get_running_loop()
+    liar = await loop.run_in_executor(
+        None, functools.partial(start_dht, [str(m) for m in await helper.get_visible_maddrs()])
+    )
+    replies = [
+        pb.ReachReply(dialled="1.2.3.4:5" + "9" * 1000, detail="x"),
+        pb.ReachReply(dialled="1.2.3.4:5", detail="y" * 201),
+        pb.ReachReply(dialled="1.2.3.4:5\x1b[2J", detail="refused\x1b[31m\nforged line"),
+    ]
+
+    async def lie(request, context):
+        return replies.pop(0)
+
+    try:
+        liar_p2p = await liar.replicate_p2p()
+        await liar_p2p.add_protobuf_handler(HANDLER, lie, pb.ReachRequest)
+        for _ in range(2):
+            result = await check_reachability(asker, [liar.peer_id], "127.0.0.1", free_port())
+            assert not result.answered and result.declined[0].endswith("answered out of bounds"), result
+            assert not result.worth_asking_again
+        result = await check_reachability(asker, [liar.peer_id], "127.0.0.1", free_port())
+        assert result.unreachable == [("1.2.3.4:5\ufffd[2J", "refused\ufffd[31m\ufffdforged line")], result
+        report = reachability.SelfTest(result, None).report(7000, "--x")
+        assert all(c.isprintable() for c in report), report
+    finally:
+        liar.shutdown()

@@ -128,8 +128,8 @@ def test_a_bootstrap_peer_that_answers_late_is_asked_again_and_one_that_never_do
     boot = node.start_dht(identity_path=key, port=port)  # writes its libp2p key: the same peer id again below
     maddrs = [str(m) for m in boot.get_visible_maddrs()]
     boot.shutdown()
-    later = threading.Timer(1.0, lambda: started.append(node.start_dht(identity_path=key, port=port)))
     started: list = []
+    later = threading.Timer(1.0, lambda: started.append(node.start_dht(identity_path=key, port=port)))
     later.start()
     try:
         with caplog.at_level("WARNING", logger="dht.node"):

@@ -19,7 +19,10 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `DecentralizedAverager.rpc_aggregate_part` (extended): fixed groups, which skip matchmaking;
 - `DecentralizedAverager.rpc_download_state` (extended), `.dht`, and the DHT node's
   `protocol.routing_table.peer_id_to_uid`: in private swarms, to serve our state only to peers that proved the swarm
-  key to our DHT node, or that the stage's records list.
+  key to our DHT node, or that the stage's records list;
+- `DecentralizedAverager._declare_for_download_periodically` (replaced), `.declare_state_period`,
+  `.allow_state_sharing`, `.state_sharing_priority`, `._state_updated`, `._matchmaking.group_key_manager.prefix`:
+  the same declarations, with each DHT store's failure read instead of left to asyncio's "never retrieved".
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dht.reaper import descendants
 from server.stage_server import StageServer
 from swarm.config import model_config
 from tests.benchmarks import common
@@ -44,26 +45,15 @@ _SENT = re.compile(r"bytes_sent:(\d+)")
 
 
 def p2pd_pids() -> list[int]:
-    """The p2pd daemons this process started (through its DHT nodes' children), from /proc."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-            parents[int(entry.name)], names[int(entry.name)] = int(rest[1]), name
+    """The p2pd daemons this process started (through its DHT nodes' children)."""
 
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            if pid == os.getpid():
-                return True
-            pid = parents.get(pid, 0)
-        return False
+    def name(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:  # it exited meanwhile
+            return ""
 
-    return [pid for pid, name in names.items() if name == "p2pd" and ours(pid)]
+    return [pid for pid in descendants(os.getpid()) if name(pid) == "p2pd"]
 
 
 def tcp_sent(pids: list[int]) -> dict[tuple[int, int, str], int]:
