@@ -29,6 +29,8 @@ from dht.forking import forking
 from dht.identity import Identity, fingerprint
 from dht.reaper import ensure_reaper
 from dht.records import PeerEntry, ServerRecord, StageRecordValidator, differences, signed_records, stage_key
+from dht.relay import ONE_THREAD
+from dht.relay import check_blocking as check_relay
 from swarm.net import DHT_WAIT_TIMEOUT_S, listen_multiaddrs
 from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.access import SwarmKey
@@ -39,21 +41,24 @@ RELAY_MODES = ("use", "reserve", "no-listen", "serve")
 START_TIMEOUT_S = 60.0  # a DHT node starts in about a second; its bootstrap pings wait DHT_WAIT_TIMEOUT_S each
 BOOTSTRAP_PAUSES_S = (2.0, 4.0)  # between starts whose bootstrap peers did not answer: 3 starts in all
 START_ATTEMPTS = 2
+RELAY_ATTEMPTS = 3  # starts of a relaying node whose relay fails its check (dht/relay.py) before we serve anyway
 
 
 def _static_relays_only(make_args):
-    """hivemind's p2pd command line, with `-relayDiscovery=false` wherever it passes `-trustedRelays`.
+    """hivemind's p2pd command line, with `-relayDiscovery=false` wherever it passes `-trustedRelays`, and a
+    relaying node's daemon (`-forceReachabilityPublic`) on one OS thread.
 
     With relay discovery on (the daemon's default; hivemind has no parameter for it), libp2p's autorelay takes its
     candidates from a feed and waits for four of them, or for its three-minute boot delay, before it reserves a
     slot: a server behind NAT was unreachable for 208-230 s after it started (measured on loopback and behind a
     masquerading router). With static relays only (our bootstrap peers), it reserves as soon as libp2p finds the node
-    private."""
+    private. One thread: so that the relay service its flags configure is the one that serves (dht/relay.py)."""
 
     def with_static_relays(*args, **kwargs):
         if "trustedRelays" in kwargs:
             kwargs.setdefault("relayDiscovery", False)
-        return make_args(*args, **kwargs)
+        command = make_args(*args, **kwargs)
+        return [*ONE_THREAD, *command] if kwargs.get("forceReachabilityPublic") else command
 
     with_static_relays.static_relays_only = True  # type: ignore[attr-defined]
     return with_static_relays
@@ -112,14 +117,29 @@ def start_dht(
             wait_timeout=wait_timeout,
         )
 
-    hung = unanswered = 0
+    hung = unanswered = relay_checks = 0
     while True:
         dht = node()
         with forking():  # the child must not finalize our gRPC objects (dht/forking.py)
             dht.run_in_background(await_ready=False)
         try:
             dht.wait_until_ready(START_TIMEOUT_S)
-            return dht
+            if relay != "serve" or relay_checks == RELAY_ATTEMPTS:
+                return dht
+            relay_checks += 1
+            if (reason := check_relay([str(m) for m in dht.get_visible_maddrs()])) is None:
+                return dht
+            if relay_checks == RELAY_ATTEMPTS:
+                logger.warning(
+                    "our relay fails its check %d times (%s): servers behind NAT that reserve here can carry calls "
+                    "of a few KiB only. Serving anyway; see dht/relay.py",
+                    relay_checks,
+                    reason,
+                )
+                return dht
+            logger.warning("our relay failed its check (%s): starting the DHT node again", reason)
+            _end(dht)
+            time.sleep(1.0)  # the daemon's port free again, for a node started on a fixed one
         # a child forked from a process with threads can hang before it is ready (the likeliest cause of a CI hang)
         except concurrent.futures.TimeoutError:
             _end(dht)

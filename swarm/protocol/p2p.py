@@ -11,7 +11,8 @@ Relays: a server behind NAT holds a reservation on the swarm's public DHT nodes 
 --public` relays). A caller's daemon finds a peer's addresses by libp2p routing, which does not find relayed ones from
 a client-mode DHT node (a trainer's): when routing fails, the caller dials the server through each of its own
 bootstrap peers (`RELAYS`, set by `SwarmDHT.start`) as a relay, then calls again. The daemon in hivemind's wheel does
-not punch holes: a relayed connection stays relayed (the relay caps it in time and bytes: 30 min, 4 GiB a direction).
+not punch holes: a relayed connection stays relayed (the relay caps it in time and bytes: 30 min, 4 GiB a direction,
+on a relay that dht/relay.py checked; libp2p's defaults, 2 min and 128 KiB, elsewhere).
 
 One libp2p stream per call: the caller sends a first `P2PCall` with its deadline and proof, then one per request
 frame; the server answers one per reply frame, and a failed call ends with one carrying a gRPC status code and its

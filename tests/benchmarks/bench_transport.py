@@ -72,7 +72,7 @@ async def start_echo_server() -> tuple[grpc.aio.Server, str]:
 async def until_relayed(client: StageClient, address: str, x: torch.Tensor, timeout: float = 60.0) -> bool:
     """Calls until the relay has the server's reservation (libp2p takes a few seconds to make it) and 5 calls in a
     row went through; logs each failure. False if that did not happen within `timeout` seconds: relayed calls of
-    this size fail (see the README's known limit), and the relayed variants are left out."""
+    this size fail (a relay with libp2p's default caps: dht/relay.py), and the relayed variants are left out."""
     deadline, in_a_row = time.monotonic() + timeout, 0
     while in_a_row < 5:
         try:

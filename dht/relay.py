@@ -1,0 +1,101 @@
+"""Relays that carry what a stage call sends: the p2p daemon's two relay services, and a check of which one serves.
+
+hivemind's p2pd builds two circuit-relay (v2) services on a relaying node (its `p2pd/main.go` and `daemon.go`):
+- the one its flags configure (`-relayDataLimit` 4 GiB and `-relayTimeLimit` 30 min per relayed connection), which
+  libp2p starts once the node is known to be public: on `force_reachability="public"`, from a goroutine;
+- `EnableRelayV2()`, called from `main` right after the host is built, with libp2p's default resources: **128 KiB
+  a direction and 2 minutes per relayed connection**, after which the relay resets the connection and every stream
+  on it.
+Both register the same protocol, so the one registered last serves. Which one that is was a race: 6 of 8 fresh relay
+nodes on this machine capped their connections at 128 KiB (a call through them failed as soon as a connection had
+carried 114,744 bytes of 16 KiB echoes, 8 connections in a row), so a server behind NAT could carry small
+activations only. With the daemon on one OS thread (`GOMAXPROCS=1`) `main` registers the default service before the
+goroutine runs, and the configured one wins: 8 of 8. Measured on the same machine, a relay on one thread carried a
+64 MiB echo at 182 MiB/s each way against 156-170 on two.
+
+A relaying node therefore starts its daemon on one thread (dht/node.py), then `check` proves that it carries a
+connection past 128 KiB, and starts it again if not (a daemon built otherwise, or a scheduler that breaks the
+ordering).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+
+from swarm.protocol import p2p as p2p_transport
+
+logger = logging.getLogger(__name__)
+DEFAULT_CAP_BYTES = 1 << 17  # libp2p's default relay limit per connection and direction (with 2 minutes)
+CHECK_BYTES = 1 << 20  # what the check sends through a relayed connection: 8x the default cap
+CHECK_TIMEOUT_S = 30.0
+MAX_ECHO_BYTES = 1 << 26
+PROTOCOL = "swarm.v1.RelayCheck"
+ONE_THREAD = ("env", "GOMAXPROCS=1")  # the prefix of a relaying node's p2pd command line
+
+
+async def _echo(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+        n_bytes = int.from_bytes(await reader.readexactly(8), "big")
+        if n_bytes <= MAX_ECHO_BYTES:
+            writer.write(await reader.readexactly(n_bytes))
+            await writer.drain()
+            await reader.read(1)  # until the caller, having read the echo, closes the stream
+    writer.close()
+
+
+async def check(relay_maddrs: Sequence[str], n_bytes: int = CHECK_BYTES) -> str | None:
+    """None if a relayed connection through the relay at `relay_maddrs` (its multiaddrs, ending in /p2p/<id>) carries
+    `n_bytes` each way; else what went wrong. Starts two throwaway daemons here: one that accepts no connection and
+    reserves a slot on the relay, and one that calls it through the relay. About a second on loopback."""
+    from hivemind.p2p import P2P
+
+    relays = list(relay_maddrs)
+    hidden = caller = None
+    try:
+        hidden = await P2P.create(
+            initial_peers=relays,
+            host_maddrs=[],
+            no_listen=True,
+            use_auto_relay=True,
+            trusted_relays=relays,
+            force_reachability="private",
+        )
+        caller = await P2P.create(initial_peers=relays, host_maddrs=[])
+        await hidden.add_binary_stream_handler(PROTOCOL, _echo)
+        async with asyncio.timeout(CHECK_TIMEOUT_S):
+            while True:  # until the hidden daemon holds its reservation
+                try:
+                    await caller._client.connect(hidden.peer_id, [p2p_transport.circuit_through(relays[0])])
+                    break
+                except Exception as e:  # no reservation yet ("NO_RESERVATION"), the relay still starting
+                    logger.debug("relay check: not through yet: %r", e)
+                    await asyncio.sleep(0.2)
+            _, reader, writer = await caller.call_binary_stream_handler(hidden.peer_id, PROTOCOL)
+            payload = os.urandom(n_bytes)
+            writer.write(n_bytes.to_bytes(8, "big") + payload)
+            await writer.drain()
+            echoed = await reader.readexactly(n_bytes)
+            writer.close()
+        return None if echoed == payload else "the echo came back changed"
+    except TimeoutError:
+        return f"no echo of {n_bytes} bytes through the relay within {CHECK_TIMEOUT_S:.0f}s"
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        return f"the relay reset the connection before {n_bytes} bytes went through each way ({e!r})"
+    except Exception as e:  # a daemon that did not start, a relay that refused us: the relay is not proven
+        return f"the check could not run: {e!r}"
+    finally:
+        for daemon in (caller, hidden):
+            if daemon is not None:
+                with contextlib.suppress(Exception):
+                    await daemon.shutdown()
+
+
+def check_blocking(relay_maddrs: Sequence[str]) -> str | None:
+    """`check`, from code that may or may not be inside an event loop (start_dht): on a thread of its own."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="relay-check") as pool:
+        return pool.submit(asyncio.run, check(relay_maddrs)).result()
