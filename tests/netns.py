@@ -27,6 +27,11 @@ class HomeRouter:
     router: str
     home: str
 
+    def add_wan_host(self, address: str) -> None:
+        """Another address of "the internet" (11.0.0.3 to 11.0.0.254), on the wan namespace's interface: peers bound
+        there count as other machines (libp2p trusts the address it is seen at once peers at 4 addresses agree)."""
+        _run("ip", "-n", self.wan, "addr", "add", f"{address}/24", "dev", f"w{self.wan.removeprefix('swarmwan')}")
+
 
 def unavailable() -> str | None:
     """Why this machine cannot build the namespaces (the reason a test skips with), or None."""

@@ -10,9 +10,10 @@ or through a relay. Direct gRPC stays the fast path.
 Relays: a server behind NAT holds a reservation on the swarm's public DHT nodes (its bootstrap peers; `swarm-dht
 --public` relays). A caller's daemon finds a peer's addresses by libp2p routing, which does not find relayed ones from
 a client-mode DHT node (a trainer's): when routing fails, the caller dials the server through each of its own
-bootstrap peers (`RELAYS`, set by `SwarmDHT.start`) as a relay, then calls again. The daemon in hivemind's wheel does
-not punch holes: a relayed connection stays relayed (the relay caps it in time and bytes: 30 min, 4 GiB a direction,
-on a relay that dht/relay.py checked; libp2p's defaults, 2 min and 128 KiB, elsewhere).
+bootstrap peers (`RELAYS`, set by `SwarmDHT.start`) as a relay, then calls again. The daemon punches a hole through
+the server's NAT (DCUtR) as the relayed connection opens, once the server knows its public address (peers at 4
+addresses saw it there); otherwise the connection stays relayed, capped in time and bytes by the relay (30 min and
+4 GiB a direction on a relay that dht/relay.py checked; libp2p's defaults, 2 min and 128 KiB, elsewhere).
 
 One libp2p stream per call: the caller sends a first `P2PCall` with its deadline and proof, then one per request
 frame; the server answers one per reply frame, and a failed call ends with one carrying a gRPC status code and its
@@ -55,6 +56,7 @@ P2P_CODE, CIRCUIT_CODE = 421, 290  # multiaddr protocol codes of /p2p/<id> and /
 # through (set by SwarmDHT.start from --initial-peers)
 RELAYS: list[str] = []
 REFUSALS = access.Refusals()  # calls refused for want of the private swarm's key
+HOLE_PUNCH_S = 5.0  # when a relayed path is looked at again: a punched hole replaces it right after it opens
 PATH_CHECK_S = 60.0  # how often a caller looks again at how it reaches a peer (directly or relayed), and logs changes
 _paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
 _checks: set[asyncio.Task] = set()  # running path checks (asyncio keeps only weak references to tasks)
@@ -136,13 +138,19 @@ def path_of(addresses: Iterable[object]) -> str:
 
 
 async def _log_path(p2p, peer) -> None:
-    """Logs how we reach `peer` when that changed since we last looked (the first time, too)."""
-    with contextlib.suppress(Exception):  # a daemon that went away: the call itself says so
-        conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
-        path = path_of([a for addrs in conns for a in addrs])
-        if path != _paths.get(str(peer), (0.0, ""))[1]:
-            _paths[str(peer)] = (time.monotonic(), path)
-            logger.info("reaching %s over libp2p %s", peer, path)
+    """Logs how we reach `peer` when that changed since we last looked (the first time, too). A relayed path is
+    looked at again HOLE_PUNCH_S later: libp2p's hole punching (DCUtR) replaces a relayed connection with a direct
+    one right after it opens, when the peer behind NAT knows its public address."""
+    for pause in (0.0, HOLE_PUNCH_S):
+        await asyncio.sleep(pause)
+        with contextlib.suppress(Exception):  # a daemon that went away: the call itself says so
+            conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
+            path = path_of([a for addrs in conns for a in addrs])
+            if path != _paths.get(str(peer), (0.0, ""))[1]:
+                _paths[str(peer)] = (time.monotonic(), path)
+                logger.info("reaching %s over libp2p %s", peer, path)
+            if not path.startswith("through relay"):
+                return
 
 
 def handler_name(method: str) -> str:

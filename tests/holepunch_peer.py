@@ -1,0 +1,81 @@
+"""One peer of the hole-punching test (tests/test_relay.py), run inside a network namespace until it is killed:
+
+    python -m tests.holepunch_peer relay    HOST DIR   # a relaying DHT node (swarm-dht --public); writes DIR/relay
+    python -m tests.holepunch_peer observer HOST DIR   # a DHT node, another public machine of the swarm
+    python -m tests.holepunch_peer home     HOST DIR   # a server's DHT node behind NAT, serving an echo Stage; DIR/home
+    python -m tests.holepunch_peer caller   HOST DIR   # a trainer's DHT node (client mode) calling the home peer
+
+The caller prints one JSON line per 1 MiB Forward: whether it came back whole, and how its daemon reaches the home
+peer (swarm/protocol/p2p.py `path_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from dht.node import start_dht
+from swarm.protocol import p2p as p2p_transport
+
+CALL_BYTES = 1 << 20
+
+
+async def _wait_for(path: Path) -> str:
+    while not path.exists():
+        await asyncio.sleep(0.2)
+    return path.read_text()
+
+
+async def _echo(frames, _context):
+    async for frame in frames:
+        yield frame
+
+
+async def _unused(_request, _context):
+    raise NotImplementedError
+
+
+async def main(role: str, host: str, directory: Path) -> None:
+    if role == "relay":
+        dht = start_dht(host=host, relay="serve")
+        (directory / "relay.tmp").write_text("\n".join(str(m) for m in dht.get_visible_maddrs()))
+        (directory / "relay.tmp").replace(directory / "relay")
+        await asyncio.Event().wait()
+    relays = (await _wait_for(directory / "relay")).split()
+    p2p_transport.RELAYS[:] = relays
+    if role == "observer":
+        start_dht(relays, host=host)
+        await asyncio.Event().wait()
+    if role == "home":
+        dht = start_dht(relays, host=host, relay="reserve")
+        await p2p_transport.serve(await dht.replicate_p2p(), _echo, _echo, _unused, _unused)
+        (directory / "home").write_text(str(dht.peer_id))
+        await asyncio.Event().wait()
+    dht = start_dht(relays, host=host, client_mode=True)
+    p2p = await dht.replicate_p2p()
+
+    async def get_p2p():
+        return p2p
+
+    home = await _wait_for(directory / "home")
+    stub = p2p_transport.P2PStub(get_p2p, home)
+    while True:
+        payload, started = os.urandom(CALL_BYTES), time.monotonic()
+        try:
+            echoed = b"".join([frame async for frame in stub.forward([payload], timeout=30)])
+            outcome = {"whole": echoed == payload, "ms": round(1000 * (time.monotonic() - started), 1)}
+        except Exception as e:  # no reservation yet; a relayed connection being replaced
+            outcome = {"error": repr(e)[:200]}
+        addresses = [a for info in await p2p.list_peers() if str(info.peer_id) == home for a in info.addrs]
+        print(json.dumps({**outcome, "path": p2p_transport.path_of(addresses)}), flush=True)
+        await asyncio.sleep(1.0)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3])))
