@@ -15,7 +15,8 @@ goroutine runs, and the configured one wins: 8 of 8. Measured on the same machin
 
 A relaying node therefore starts its daemon on one thread (dht/node.py), then `check` proves that it carries a
 connection past 128 KiB, and starts it again if not (a daemon built otherwise, or a scheduler that breaks the
-ordering).
+ordering). A server that callers reach through a relay only checks its relays too (`report`): any other peer's
+daemon relays with the default caps.
 """
 
 from __future__ import annotations
@@ -93,6 +94,27 @@ async def check(relay_maddrs: Sequence[str], n_bytes: int = CHECK_BYTES) -> str 
             if daemon is not None:
                 with contextlib.suppress(Exception):
                     await daemon.shutdown()
+
+
+async def report(relay_maddrs: Sequence[str]) -> None:
+    """A server that callers reach through a relay only: check each of its relays (the bootstrap peers it reserves
+    on; the first address of each) and log what a caller going through it can expect."""
+    firsts: dict[str, str] = {}
+    for maddr in relay_maddrs:
+        firsts.setdefault(maddr.rpartition("/p2p/")[2], maddr)
+    for maddr in firsts.values():
+        if (reason := await check([maddr])) is None:
+            logger.info(
+                "relay %s carries 1 MiB each way on one connection: callers that reach us through it can", maddr
+            )
+        else:
+            logger.warning(
+                "relay %s failed its check (%s): it may cap a relayed connection at 128 KiB and 2 minutes (libp2p's "
+                "default relay), and then calls of more than about 100 KiB through it fail. A `swarm-dht --public` "
+                "node relays up to 4 GiB and 30 minutes: give one as --initial-peers",
+                maddr,
+                reason,
+            )
 
 
 def check_blocking(relay_maddrs: Sequence[str]) -> str | None:

@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
+from dht.relay import report as report_relays
 from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab import Collaboration, LocalSteps, StageCollaboration
 from server.config import ServerConfig
@@ -32,6 +33,7 @@ from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.model import Stage
 from swarm.net import is_unspecified
+from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.reach import ReachResponder
 from swarm.protocol.rpc import SERVICE, start_stage_server
@@ -100,6 +102,7 @@ class StageServer:
         self.seen_host: str | None = None  # where the swarm's peers see us (reachability self-test)
         self.p2p_only = False  # callers reach us over libp2p: the swarm cannot dial our gRPC port (--transport)
         self.tls = ServerTls.from_config(cfg.tls)
+        self._relay_report: asyncio.Task | None = None  # the check of our relays, when we are reached through them
 
     @property
     def active(self) -> ActiveStage:
@@ -246,7 +249,10 @@ class StageServer:
                 await self.check_reachability()
             service.transport = "p2p" if self.p2p_only else "grpc+tls" if self.tls else "grpc"
             if self.p2p_only:
-                logger.info("over libp2p, callers reach us %s", await self._libp2p_path())
+                path = await self._libp2p_path()
+                logger.info("over libp2p, callers reach us %s", path)
+                if path.startswith("through a relay only"):  # what a caller can send through each relay
+                    self._relay_report = asyncio.create_task(report_relays(list(p2p_transport.RELAYS)))
         collab.address = self.record().address
         await collab.start()
         self.service.attach(worker, self.active.schema, collab)
@@ -394,6 +400,8 @@ class StageServer:
         if self._endpoint is None or self.state is PeerState.STOPPED:
             return
         was_serving, self.state = self.serving, PeerState.STOPPED
+        if self._relay_report is not None:
+            self._relay_report.cancel()  # its throwaway daemons end with it
         logger.info("stage %d: shutting down, draining up to %.0fs", self.stage, cfg.network.drain_timeout)
         await self.collab.stop_admitting()
         await self.endpoint.health.enter_graceful_shutdown()

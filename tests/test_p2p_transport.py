@@ -245,6 +245,7 @@ def test_a_server_with_no_inbound_connection_serves_through_the_relay(tmp_path):
         natted = swarm.start_server("server-s1", 1, [*flags, "--announce-host", "192.0.2.1", "--dht-no-listen"])
         wait_for(lambda: "callers reach us through a relay only" in natted.log_path.read_text(), 90, "its log to say")
         trains_through(swarm, natted)
+        assert "carries 1 MiB each way on one connection" in natted.log_path.read_text()  # its relay's check
         nothing_lost(swarm)
 
 

@@ -17,7 +17,7 @@ import pytest
 from hivemind.p2p import P2P
 
 from dht.node import start_dht
-from dht.relay import check
+from dht.relay import check, report
 from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.p2p import P2PStub, serve
 from tests import netns
@@ -51,17 +51,24 @@ async def test_relaying_nodes_relay_far_more_than_libp2ps_default_cap(caplog):
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-async def test_the_check_finds_a_relay_capped_at_libp2ps_default(monkeypatch):
+async def test_the_check_finds_a_relay_capped_at_libp2ps_default_and_a_server_behind_it_says_so(monkeypatch, caplog):
     """A daemon whose only relay is libp2p's default one (`-relayService=false` leaves out the configured one):
-    the check says the relay reset the connection."""
+    the check says the relay reset the connection, and a server that callers reach through it warns, naming the
+    fix."""
     make_args = P2P._make_process_args
     monkeypatch.setattr(P2P, "_make_process_args", staticmethod(lambda *a, **k: make_args(*a, **k, relayService=0)))
     capped = await P2P.create(force_reachability="public")
+    monkeypatch.setattr(P2P, "_make_process_args", staticmethod(make_args))
     try:
-        reason = await check([str(m) for m in await capped.get_visible_maddrs()])
+        maddrs = [str(m) for m in await capped.get_visible_maddrs()]
+        reason = await check(maddrs)
+        caplog.set_level(logging.INFO, logger="dht.relay")
+        await report(maddrs * 2)  # one check per relay, whatever the number of its addresses
     finally:
         await capped.shutdown()
     assert reason is not None and "reset the connection" in reason, reason
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "give one as --initial-peers" in warnings[0], warnings
 
 
 @pytest.mark.integration
