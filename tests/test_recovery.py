@@ -116,6 +116,41 @@ def test_peers_of_two_lineages_agree_on_one_reference():
     gone = peer("b", {"a": (3, theirs)})
     gone.peers.pop("a")
     assert gone.lineage_reference(3, ours) is None, "a left the stage"
+    # delayed steps: a peer reports the next epoch as soon as it takes its gradients
+    assert peer("b", {"a": (4, theirs)}).lineage_reference(3, ours, moved_on=True) == "a"
+    assert peer("b", {"a": (5, theirs)}).lineage_reference(3, ours, moved_on=True) is None, "two epochs on"
+
+
+@pytest.mark.parametrize("reference_epoch", [6, 7])
+def test_a_delayed_step_copies_the_reference_and_keeps_what_the_next_epoch_accumulated(reference_epoch):
+    """Delayed steps (--delay-optimizer-step): after our step of epoch 5 we hold other parameters than the reference
+    a (it stepped alone once), and epoch 6 is already accumulating. We copy a's state and keep the 3 samples of
+    gradients of epoch 6: a state of epoch 6 is what we step on next. A reference already past it (epoch 7) has
+    averaged epoch 6 without them: they are dropped, as with any download."""
+
+    def worker() -> StageWorker:
+        return StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+
+    donor, ours = worker(), worker()
+    donor.apply_gradients([torch.randn_like(p) for p in donor.params])
+    donor.branch()
+    donor.epoch, ours.epoch = reference_epoch, 6
+    for p in ours.params:
+        p.grad = torch.ones_like(p)
+    ours.samples_accumulated = 3
+    averager = SimpleNamespace(
+        allow_state_sharing=True,
+        lowrank=None,
+        split_state=lambda meta, tensors: (tensors, []),
+        download_state=lambda *a, **k: donor.state_tensors(),
+    )
+    recovery = Recovery(ours, averager, Peers("b", {"a": 8}, epoch=6), AveragingConfig(), 1, pool=None)
+    recovery.adopt("a", 5, keep_gradients=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours.params, donor.params, strict=True))
+    assert ours.lineage == donor.lineage and ours.epoch == reference_epoch and averager.allow_state_sharing
+    kept = reference_epoch == 6
+    assert ours.samples_accumulated == (3 if kept else 0)
+    assert all((p.grad is not None and bool((p.grad == 1).all())) if kept else p.grad is None for p in ours.params)
 
 
 async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within_seconds():

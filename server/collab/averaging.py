@@ -40,6 +40,7 @@ from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
 
 ABANDON_POLL_S = 0.1  # how often a round in progress checks whether anyone is left to average with
+RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # after the 1st, 2nd, ... failed attempt of a round (then the last)
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +175,13 @@ class GradientAveraging:
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
         `numel`: (values sent, values of the whole gradients), for the byte counts."""
         started = time.monotonic()
-        result = None
+        result, failures = None, 0
+
+        def remaining() -> float:
+            return self.cfg.averaging_timeout - (time.monotonic() - started)
 
         def give_up() -> bool:
-            return time.monotonic() - started >= self.cfg.averaging_timeout or finished_without_us() or nobody_left()
+            return remaining() <= 0 or finished_without_us() or nobody_left()
 
         members = None if self.members is None else self.members()
         self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
@@ -209,6 +213,12 @@ class GradientAveraging:
                 grace = time.monotonic() + retry_grace
                 while time.monotonic() < grace and not finished_without_us():
                     time.sleep(0.01)
+                # and back off: a retry that fails at once (a fixed group whose other member moved on) would
+                # otherwise go again at once; with delayed steps, where nothing tells us a round ended for our peers,
+                # one peer ran 505 attempts in 10 s, each logging hivemind's traceback
+                failures += 1
+                if not give_up():
+                    time.sleep(min(RETRY_PAUSES_S[min(failures, len(RETRY_PAUSES_S)) - 1], max(0.0, remaining())))
         if result is None:
             logger.warning("%s: all-reduce failed", label)
             self.rounds_failed += 1

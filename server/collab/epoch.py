@@ -553,15 +553,19 @@ class StageCollaboration:
                 # the epoch moves on now and the step lands later: a peer that took our state meanwhile would miss it
                 self.averaging.state.allow_state_sharing = False
                 grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
+                # the lineages our peers reported, read before our step (as with synchronous steps)
+                reference = self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True)
                 # peers report the next epoch while this one is still being averaged in the background
                 averaged = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._average, grads, n, n_peers, epoch, False
                 )
                 if averaged is None:
-                    averaged, self.diverged = grads, True
+                    averaged, self.diverged, reference = grads, True, None  # resynced by _catch_up instead
                 if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
-                    await self.worker.submit(lambda: self.worker.apply_gradients(averaged))
+                    await self.worker.submit(lambda: self._apply_delayed(averaged, alone=n_peers <= 1 and n > 0))
                 self.averaging.state.allow_state_sharing = True
+                if n_peers > 1 and reference is not None:  # peers of another history stepped with us: copy one
+                    await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
@@ -587,6 +591,13 @@ class StageCollaboration:
             group_size=n_peers,
             group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
         )
+
+    def _apply_delayed(self, averaged: list[torch.Tensor], alone: bool) -> None:
+        """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
+        stepped too, so our parameters now have a history of their own."""
+        self.worker.apply_gradients(averaged)
+        if alone:
+            self.worker.branch()
 
     def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:
         """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""

@@ -274,11 +274,13 @@ class StagePeers:
             )
         ]
 
-    def lineage_reference(self, epoch: int, lineage: str) -> str | None:
+    def lineage_reference(self, epoch: int, lineage: str, moved_on: bool = False) -> str | None:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
         lineage (some stepped alone, not knowing of the others): the smallest peer id at `epoch`, us included, unless
-        that is us or it holds our lineage. Every peer names the same reference."""
-        same = {p: line for p, (e, line) in dict(self.lineages).items() if e == epoch and p in self.peers}
+        that is us or it holds our lineage. Every peer names the same reference. `moved_on`: peers that already report
+        the next epoch count too (delayed steps: a peer reports it as soon as it takes its gradients)."""
+        epochs = (epoch, epoch + 1) if moved_on else (epoch,)
+        same = {p: line for p, (e, line) in dict(self.lineages).items() if e in epochs and p in self.peers}
         reference = min([self.sdht.peer_id, *same])
         if reference == self.sdht.peer_id or same[reference] == lineage:
             return None

@@ -114,10 +114,13 @@ class Recovery:
                 await asyncio.sleep(1.0 + attempt)
         return False
 
-    def load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs."""
+    def load(self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False) -> None:
+        """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs.
+        `keep_gradients`: keeps what we accumulated towards our current epoch if the state is of that epoch too
+        (delayed steps: the next epoch accumulates while the last one is averaged and stepped)."""
         worker_tensors, factors = self.averager.split_state(meta, tensors)  # checked before anything changes
-        self.worker.drop_gradients()
+        if not keep_gradients or int(meta.get("epoch", -1)) != self.worker.epoch:
+            self.worker.drop_gradients()
         self.worker.load_state(meta, worker_tensors)
         if self.averager.lowrank is not None:
             self.averager.lowrank.load_shared(factors)
@@ -175,10 +178,11 @@ class Recovery:
         self.worker.return_gradients(grads, n_samples)
         return None
 
-    def adopt(self, reference: str, epoch: int) -> None:
+    def adopt(self, reference: str, epoch: int, keep_gradients: bool = False) -> None:
         """Compute thread, right after our step of `epoch` (no request has seen our new parameters): load the state
         `reference` has after its step of `epoch`, whose lineage (server/worker.py) the stage keeps. If it does not
-        send it in time, the next epoch tries again."""
+        send it in time, the next epoch tries again. `keep_gradients`: delayed steps, whose next epoch is already
+        accumulating (`load`); a reference serves no state while its own delayed step is pending."""
         logger.warning(
             "stage %d epoch %d: %s holds parameters of another history (a peer stepped alone): copying its state",
             self.stage,
@@ -187,7 +191,8 @@ class Recovery:
         )
         try:
             with self._not_sharing():  # nobody must take the parameters we are about to drop
-                if self._copy_once_stepped(reference, epoch, time.monotonic() + 2 * self.cfg.averaging_timeout):
+                deadline = time.monotonic() + 2 * self.cfg.averaging_timeout
+                if self._copy_once_stepped(reference, epoch, deadline, keep_gradients):
                     return
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of %s failed: %r", reference[-6:], e)
@@ -215,7 +220,7 @@ class Recovery:
         reference = min(counts, key=lambda p: (-counts[p], p))
         return (reference, f"{counts[reference]} samples") if counts[reference] > 0 else (None, "")
 
-    def _copy_once_stepped(self, reference: str, epoch: int, deadline: float) -> bool:
+    def _copy_once_stepped(self, reference: str, epoch: int, deadline: float, keep_gradients: bool = False) -> bool:
         """Compute thread: wait for `reference` to step past `epoch` and load its state (True); False once it is
         no longer a live peer of the stage, or at `deadline`."""
         probed = time.monotonic()
@@ -233,7 +238,7 @@ class Recovery:
                 alive=lambda: reference in self.peers.peers,
             )
             if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
-                self.load(*loaded)
+                self.load(*loaded, keep_gradients=keep_gradients)
                 return True
             time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
         if reference not in self.peers.peers:
