@@ -36,14 +36,30 @@ def run_round(
     averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float = 0.0, max_weight: float = 0.0
 ) -> list[list[torch.Tensor]]:
     """One all-reduce among len(tensors) peers (peer i has weight i + 1); returns each peer's tensors after it.
-    StrictAverager only: `robust_clip`, and `max_weight` (if > 0), set on every peer."""
+    StrictAverager only: `robust_clip`, and `max_weight` (if > 0), set on every peer.
+
+    A round can end for some peers and fail for another (one CI run: a peer got 7% of the averaged parts back, the
+    others finished, and its retry found nobody for 30 s): hivemind cannot make a round's last messages atomic, and
+    the stage handles that case elsewhere (server/collab/recovery.py). Then the round is run once more, by fresh
+    peers from the same tensors; a second such round fails the test."""
+    for attempt in range(2):
+        results = _one_round(averager_cls, codec, tensors, robust_clip, max_weight, attempt)
+        if results is not None:
+            return results
+        logging.getLogger(__name__).warning("round %d ended for some peers and failed for others: again", attempt)
+    pytest.fail("the all-reduce did not end for every peer, twice in a row")
+
+
+def _one_round(
+    averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float, max_weight: float, attempt: int
+) -> list[list[torch.Tensor]] | None:
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in tensors]
     averagers = [
         averager_cls(
             averaged_tensors=[t.clone() for t in ts],
             dht=dht,
-            prefix=f"avgtest_{averager_cls.__name__}_{codec}_{int(robust_clip)}_{int(max_weight)}",
+            prefix=f"avgtest_{averager_cls.__name__}_{codec}_{int(robust_clip)}_{int(max_weight)}_{attempt}",
             start=False,
             min_matchmaking_time=1.0,
             request_timeout=0.5,
@@ -71,7 +87,8 @@ def run_round(
             t.start()
         for t in threads:
             t.join(60)
-        assert all(r is not None for r in results), "the all-reduce did not form a group"
+        if any(r is None for r in results):
+            return None
         out = []
         for averager in averagers:
             with averager.get_tensors() as got:
