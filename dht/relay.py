@@ -58,15 +58,18 @@ async def check(relay_maddrs: Sequence[str], n_bytes: int = CHECK_BYTES) -> str 
     relays = list(relay_maddrs)
     hidden = caller = None
     try:
+        # neither listens anywhere (the hidden one is reached through the relay, the caller only dials), nor asks
+        # the router for port mappings
         hidden = await P2P.create(
             initial_peers=relays,
             host_maddrs=[],
             no_listen=True,
+            nat_port_map=False,
             use_auto_relay=True,
             trusted_relays=relays,
             force_reachability="private",
         )
-        caller = await P2P.create(initial_peers=relays, host_maddrs=[])
+        caller = await P2P.create(initial_peers=relays, host_maddrs=[], no_listen=True, nat_port_map=False)
         await hidden.add_binary_stream_handler(PROTOCOL, _echo)
         async with asyncio.timeout(CHECK_TIMEOUT_S):
             while True:  # until the hidden daemon holds its reservation
