@@ -131,8 +131,8 @@ def start_dht(
                 return dht
             if relay_checks == RELAY_ATTEMPTS:
                 logger.warning(
-                    "our relay fails its check %d times (%s): servers behind NAT that reserve here can carry calls "
-                    "of a few KiB only. Serving anyway; see dht/relay.py",
+                    "our relay fails its check %d times (%s): calls of more than about 100 KiB to servers behind "
+                    "NAT that reserve here may fail. Serving anyway; see dht/relay.py",
                     relay_checks,
                     reason,
                 )
