@@ -124,7 +124,7 @@ def start_dht(
             dht.run_in_background(await_ready=False)
         try:
             dht.wait_until_ready(START_TIMEOUT_S)
-            if relay != "serve" or relay_checks == RELAY_ATTEMPTS:
+            if relay != "serve":
                 return dht
             relay_checks += 1
             if (reason := check_relay([str(m) for m in dht.get_visible_maddrs()])) is None:

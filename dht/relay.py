@@ -8,7 +8,7 @@ hivemind's p2pd builds two circuit-relay (v2) services on a relaying node (its `
   on it.
 Both register the same protocol, so the one registered last serves. Which one that is was a race: 6 of 8 fresh relay
 nodes on this machine capped their connections at 128 KiB (a call through them failed as soon as a connection had
-carried 114,744 bytes of 16 KiB echoes, 8 connections in a row), so a server behind NAT could carry small
+carried 114,744 bytes of 16 KiB echoes, 5 connections in a row), so a server behind NAT could carry small
 activations only. With the daemon on one OS thread (`GOMAXPROCS=1`) `main` registers the default service before the
 goroutine runs, and the configured one wins: 8 of 8. Measured on the same machine, a relay on one thread carried a
 64 MiB echo at 182 MiB/s each way against 156-170 on two.
@@ -32,21 +32,26 @@ from swarm.protocol import p2p as p2p_transport
 
 logger = logging.getLogger(__name__)
 DEFAULT_CAP_BYTES = 1 << 17  # libp2p's default relay limit per connection and direction (with 2 minutes)
-CHECK_BYTES = 1 << 20  # what the check sends through a relayed connection: 8x the default cap
+CHECK_BYTES = 8 * DEFAULT_CAP_BYTES  # what the check sends through a relayed connection each way
 CHECK_TIMEOUT_S = 30.0
-MAX_ECHO_BYTES = 1 << 26
 PROTOCOL = "swarm.v1.RelayCheck"
 ONE_THREAD = ("env", "GOMAXPROCS=1")  # the prefix of a relaying node's p2pd command line
 
 
-async def _echo(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-        n_bytes = int.from_bytes(await reader.readexactly(8), "big")
-        if n_bytes <= MAX_ECHO_BYTES:
-            writer.write(await reader.readexactly(n_bytes))
-            await writer.drain()
-            await reader.read(1)  # until the caller, having read the echo, closes the stream
-    writer.close()
+def echo_for(caller: object, n_bytes: int):
+    """The hidden daemon's stream handler: echoes `n_bytes` to the check's own caller (libp2p id `caller`). Anyone
+    can open a stream to it through the relay while the check runs: a stream from another peer, or one that
+    declares another length, is closed before anything is read beyond its 8-byte header."""
+
+    async def echo(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            if str(info.peer_id) == str(caller) and int.from_bytes(await reader.readexactly(8), "big") == n_bytes:
+                writer.write(await reader.readexactly(n_bytes))
+                await writer.drain()
+                await reader.read(1)  # until the caller, having read the echo, closes the stream
+        writer.close()
+
+    return echo
 
 
 async def check(relay_maddrs: Sequence[str], n_bytes: int = CHECK_BYTES) -> str | None:
@@ -70,7 +75,7 @@ async def check(relay_maddrs: Sequence[str], n_bytes: int = CHECK_BYTES) -> str 
             force_reachability="private",
         )
         caller = await P2P.create(initial_peers=relays, host_maddrs=[], no_listen=True, nat_port_map=False)
-        await hidden.add_binary_stream_handler(PROTOCOL, _echo)
+        await hidden.add_binary_stream_handler(PROTOCOL, echo_for(caller.peer_id, n_bytes))
         async with asyncio.timeout(CHECK_TIMEOUT_S):
             while True:  # until the hidden daemon holds its reservation
                 try:
@@ -108,7 +113,9 @@ async def report(relay_maddrs: Sequence[str]) -> None:
     for maddr in firsts.values():
         if (reason := await check([maddr])) is None:
             logger.info(
-                "relay %s carries 1 MiB each way on one connection: callers that reach us through it can", maddr
+                "relay %s carries %g MiB each way on one connection: callers that reach us through it can",
+                maddr,
+                CHECK_BYTES / (1 << 20),
             )
         else:
             logger.warning(

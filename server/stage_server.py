@@ -134,9 +134,10 @@ class StageServer:
     def serving(self) -> bool:
         return self.state is PeerState.SERVING
 
-    async def _libp2p_path(self) -> str:
+    async def _libp2p_path(self) -> tuple[str, bool]:
         """How callers' libp2p daemons reach ours, as far as we can tell: directly at the addresses it listens on
-        (when they can dial one), else through a relay (a public DHT node: swarm-dht --public)."""
+        (when they can dial one), else through a relay (a public DHT node: swarm-dht --public). And whether that is
+        through a relay only."""
         try:
             maddrs = await (await self.sdht.p2p()).get_visible_maddrs()
         except ValueError:  # hivemind: "No multiaddrs found"
@@ -144,8 +145,8 @@ class StageServer:
         direct = [str(m) for m in maddrs if "p2p-circuit" not in str(m)]
         hint = "a public DHT node relays: swarm-dht --public"
         if not direct:
-            return f"through a relay only: our DHT node listens on no address ({hint})"
-        return f"directly at {', '.join(direct)} where they can dial it, else through a relay ({hint})"
+            return f"through a relay only: our DHT node listens on no address ({hint})", True
+        return f"directly at {', '.join(direct)} where they can dial it, else through a relay ({hint})", False
 
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(
@@ -249,9 +250,9 @@ class StageServer:
                 await self.check_reachability()
             service.transport = "p2p" if self.p2p_only else "grpc+tls" if self.tls else "grpc"
             if self.p2p_only:
-                path = await self._libp2p_path()
+                path, relayed_only = await self._libp2p_path()
                 logger.info("over libp2p, callers reach us %s", path)
-                if path.startswith("through a relay only"):  # what a caller can send through each relay
+                if relayed_only:  # what a caller can send through each relay
                     self._relay_report = asyncio.create_task(report_relays(list(p2p_transport.RELAYS)))
         collab.address = self.record().address
         await collab.start()

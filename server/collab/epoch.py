@@ -554,7 +554,9 @@ class StageCollaboration:
                 self.averaging.state.allow_state_sharing = False
                 grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
                 # the lineages our peers reported, read before our step (as with synchronous steps)
-                reference = self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True)
+                reference = (
+                    self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
+                )
                 # peers report the next epoch while this one is still being averaged in the background
                 averaged = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._average, grads, n, n_peers, epoch, False
@@ -564,7 +566,7 @@ class StageCollaboration:
                 if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
                     await self.worker.submit(lambda: self._apply_delayed(averaged, alone=n_peers <= 1 and n > 0))
                 self.averaging.state.allow_state_sharing = True
-                if n_peers > 1 and reference is not None:  # peers of another history stepped with us: copy one
+                if reference is not None:  # peers of another history stepped with us: copy one
                     await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
         finally:
             if self.phase is Phase.ENDING:
