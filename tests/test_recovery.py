@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.collab.progress import StagePeers
-from server.collab.recovery import PROBE_S, Recovery
+from server.collab.recovery import JOIN_READS, PROBE_S, Recovery
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
 from swarm.config import tiny_test
@@ -63,6 +63,42 @@ def test_a_reference_that_stops_answering_is_passed_over():
     assert recovery.after_failed_round(grads, 4) is grads
     assert 0.3 <= time.monotonic() - started < 2.0
     assert averager.allow_state_sharing and worker.returned is None
+
+
+class SlowDHTPeers(Peers):
+    """A stage whose DHT reads time out `timeouts` times before one answers with peer a."""
+
+    def __init__(self, timeouts: int):
+        super().__init__("b", {}, epoch=5)
+        self.timeouts, self.reads = timeouts, 0
+
+    async def refresh(self) -> None:
+        self.reads += 1
+        if self.reads <= self.timeouts:
+            raise TimeoutError
+        self.peers = {"a": "127.0.0.1:7000"}
+
+
+@pytest.mark.parametrize("timeouts", [JOIN_READS - 1, JOIN_READS])
+async def test_a_joiner_whose_dht_reads_time_out_reads_again_and_never_takes_silence_for_an_empty_stage(timeouts):
+    """A read that times out says nothing about the stage: a joiner that took it for "no peers" would start from the
+    seed beside peers epochs ahead (a read timed out once in CI). It reads again; after JOIN_READS it refuses."""
+    peers = SlowDHTPeers(timeouts)
+    recovery = Recovery(Worker(), SimpleNamespace(), peers, AveragingConfig(), 0, pool=None)
+    downloads = []
+
+    async def download(source, attempts):
+        downloads.append(source)
+        return True
+
+    recovery.download = download
+    if timeouts < JOIN_READS:
+        assert await recovery.join() is True
+        assert downloads == ["a"] and peers.reads == timeouts + 1
+    else:
+        with pytest.raises(RuntimeError, match="did not answer"):
+            await recovery.join()
+        assert downloads == [] and peers.reads == JOIN_READS
 
 
 def test_with_nobody_left_holding_samples_the_epoch_stays_open():

@@ -24,6 +24,8 @@ from server.worker import StageWorker, state_digest
 logger = logging.getLogger(__name__)
 UNUSABLE_STATE = (ValueError, KeyError, TypeError, AttributeError)  # what loading a malformed state raises
 PROBE_S = 1.0  # how often a peer waiting for the stage's reference to step asks whether it still answers
+JOIN_READS = 3  # DHT reads a joining peer tries before it gives up: a peer that took a read's timeout for an empty
+# stage would start from the seed beside peers that are epochs ahead
 
 
 def catch_up_source(my_epoch: int, epochs: dict[str, int], me: str, diverged: bool) -> tuple[str | None, bool]:
@@ -70,7 +72,7 @@ class Recovery:
     async def join(self) -> bool:
         """Download parameters, optimizer state and epoch from live peers of the stage. False when there are none or
         none answered: a new stage, whose first peers all start from the shared seed (or a checkpoint)."""
-        await self.peers.refresh()
+        await self._read_peers()
         if not self.peers.peers:
             return False
         logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers.peers))
@@ -83,9 +85,23 @@ class Recovery:
                     return True
             if attempt == 0:
                 await asyncio.sleep(1.0)
-                await self.peers.refresh()
+                await self._read_peers()
         logger.warning("stage %d: no peer sent its state", self.stage)
         return False
+
+    async def _read_peers(self) -> None:
+        """The stage's peers from the DHT, read again when a read times out (seen once on a loaded 2-core machine);
+        raises when none of JOIN_READS reads answered."""
+        for attempt in range(1, JOIN_READS + 1):
+            try:
+                await self.peers.refresh()
+                return
+            except TimeoutError:
+                logger.warning("stage %d: the DHT did not answer (read %d of %d)", self.stage, attempt, JOIN_READS)
+        raise RuntimeError(
+            f"stage {self.stage}: the DHT did not answer {JOIN_READS} reads: cannot tell whether the "
+            "stage has peers to copy, so not joining it"
+        )
 
     async def download(self, source: str, attempts: int = 3) -> bool:
         """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record)."""
