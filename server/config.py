@@ -251,6 +251,14 @@ class AveragingConfig:
             "differently (CPU and GPU in one stage) drift apart without it"
         },
     )
+    tied_average_every: int = field(
+        default=10,
+        metadata={
+            "help": "with --tie-embeddings: every N epochs the tied weight's round also averages its copies on stage 0 "
+            "and the last stage (with --param-average-codec), which brings them back together after a round that "
+            "failed for some of them (0: never)"
+        },
+    )
     param_average_codec: str = field(
         default="none",
         metadata={
@@ -296,6 +304,8 @@ class AveragingConfig:
 
     def __post_init__(self) -> None:
         self.compressed_stages(1)  # validates --allreduce-compress-stages
+        if self.tied_average_every < 0:
+            raise ValueError(f"--tied-average-every must be >= 0, got {self.tied_average_every}")
         if not 0 <= self.robust_clip <= 1e6:
             raise ValueError(f"--robust-clip must be 0 (off) or a positive factor, got {self.robust_clip}")
         for flag, codec in (("--param-average-codec", self.param_average_codec), ("--state-codec", self.state_codec)):
@@ -352,6 +362,7 @@ class AveragingConfig:
         names = [k for k in vars(self) if k.startswith("allreduce_")] + [
             "param_average_codec",
             "state_codec",
+            "tied_average_every",
             "fixed_groups",
         ]
         return {k: getattr(self, k) for k in names}
@@ -361,6 +372,13 @@ class AveragingConfig:
         return CompressionPolicy(
             allreduce_gradients=self.wire_codec, parameters=self.param_average_codec, state=self.state_codec
         )
+
+    @property
+    def tied_codec(self) -> str:
+        """The codec of the tied weight's gradient round, the same on stage 0 and the last stage whatever
+        --allreduce-compress-stages says (a group of two codecs would end its round holding different values):
+        --allreduce-codec's, 8-bit for the low-rank ones."""
+        return "blockwise8" if self.allreduce_codec in LOW_RANK_CODECS else self.allreduce_codec
 
     @property
     def wire_codec(self) -> str:

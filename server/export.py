@@ -26,6 +26,8 @@ def export_model(cfg: ModelConfig, checkpoint_dirs: list[str], out: str | Path) 
         weights.update({f"stages.{i}.{k}": v for k, v in load_file(str(found[0])).items()})
     if missing:
         raise FileNotFoundError(f"no checkpoint of stage(s) {missing} in {checkpoint_dirs}")
+    if cfg.tie_embeddings:  # a one-stage model saves its one tied weight once, as the embedding
+        weights.setdefault(f"stages.{cfg.n_stages - 1}.head.weight", weights["stages.0.embed.weight"].clone())
     model = GPT(cfg)
     model.load_state_dict(weights, strict=True)
     save_file(weights, str(out))

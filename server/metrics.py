@@ -31,6 +31,9 @@ def fill_server_metrics(server: StageServer, f: Families) -> None:
     f.counter("server_steps_rolled_back", "steps that left a parameter non-finite: undone", w.steps_rolled_back)
     f.counter("server_allreduce_rounds", "the stage's all-reduce rounds", collab.rounds_ok, result="ok")
     f.counter("server_allreduce_rounds", "the stage's all-reduce rounds", collab.rounds_failed, result="failed")
+    if (tied := getattr(collab, "tied", None)) is not None:  # stage 0 and the last stage of tied embeddings
+        for result, n in (("ok", tied.rounds_ok), ("failed", tied.rounds_failed), ("skipped", tied.rounds_skipped)):
+            f.counter("server_tied_rounds", "the tied weight's rounds over both stages", n, result=result)
     f.counter("server_state_downloads", "stage states loaded from peers (joining, catching up)", collab.state_downloads)
     f.traffic(
         "server_allreduce",

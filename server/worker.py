@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeGuard, TypeVar
 
@@ -32,7 +32,7 @@ from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
 from server.optim import build_optimizer, build_schedule
 from swarm.devices import synchronize
-from swarm.model import Stage
+from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
 
@@ -132,6 +132,11 @@ class StageWorker:
         self.steps_skipped = 0  # averaged gradients that were not finite: no step
         self.steps_rolled_back = 0  # steps that left a parameter non-finite: undone
         self.params = [p for p in stage.parameters() if p.requires_grad]
+        # tied embeddings: our copy of the weight shared with another stage, averaged over both stages' peers, and the
+        # index of its gradient in `take_gradients`'s list; the stage's own all-reduce averages `stage_params`
+        self.tied = stage.tied_weight
+        self.tied_index = next((i for i, p in enumerate(self.params) if p is self.tied), None)
+        self.stage_params = [p for p in self.params if p is not self.tied]
         self.optimizer = build_optimizer(optimizer.optimizer, self.params, optimizer.lr, optimizer.weight_decay)
         self.schedule = build_schedule(self.optimizer, optimizer.warmup_steps, optimizer.total_steps)
         self.state_lock = threading.Lock()  # parameters and optimizer state change only under it
@@ -311,14 +316,22 @@ class StageWorker:
         self.samples_accumulated += n
 
     @torch.no_grad()
-    def apply_gradients(self, grads: list[torch.Tensor], end_epoch: bool = False) -> None:
-        """Compute thread only. One optimizer step on `grads` (one per parameter, any device); `end_epoch`: this step
-        finishes the current epoch (synchronous steps; a delayed step's epoch ended when its gradients were taken)."""
+    def apply_gradients(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        end_epoch: bool = False,
+        load: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Compute thread only. One optimizer step on `grads` (one per parameter, any device; None: that parameter
+        does not step); `end_epoch`: this step finishes the current epoch (synchronous steps; a delayed step's epoch
+        ended when its gradients were taken). `load`: parameters (by index) to take these values first."""
         with self.state_lock:
+            for i, value in (load or {}).items():
+                self.params[i].copy_(value)
             saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
             try:
                 for p, g in zip(self.params, grads, strict=False):
-                    p.grad = g.to(p.device, p.dtype)
+                    p.grad = None if g is None else g.to(p.device, p.dtype)
                 self._checked_step()
             finally:
                 for p, saved_grad in zip(self.params, saved, strict=False):
@@ -333,11 +346,7 @@ class StageWorker:
         step's finite gradient. Same inputs, same outcome: peers that apply one average stay equal either way."""
         clip = self.optim_cfg.clip_grad_norm
         # one pass over the gradients: clipping measures their norm anyway (and scales them to NaN if it is not finite)
-        norm = (
-            float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-            if clip > 0
-            else total_norm([p.grad for p in self.params])
-        )
+        norm = clip_gradients(self.params, clip, self.tied) if clip > 0 else total_norm([p.grad for p in self.params])
         if not math.isfinite(norm):
             self.steps_skipped += 1
             logger.error("stage %d: gradients to apply are not finite (norm %s); no step", self.stage.index, norm)

@@ -37,6 +37,14 @@ class ModelConfig:
         },
     )
     boundary_factor: int = field(default=2, metadata={"help": "how much the boundary layers shrink hidden states"})
+    tie_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": "the LM head (last stage) is the token embedding (stage 0): one weight, kept equal on both stages "
+            "by one all-reduce of its gradient over the peers of both (--tied-average-every says how often its "
+            "copies are also averaged)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_seq_len", "n_stages", "layers_per_stage"):

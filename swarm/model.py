@@ -3,6 +3,11 @@
 A stage holds one block of parameters applied `layers_per_stage` times (or an unshared stack). Stage 0 adds the token
 embedding; the last stage adds the final norm, LM head and loss. `GPT` is the same stages run in one process: its
 parameters are bitwise those of the stages a server builds, because every stage initialises from (seed, index).
+
+With `tie_embeddings` the LM head is the token embedding. In `GPT` that is one parameter; in a swarm stage 0 and the
+last stage each hold a copy, initialised alike, which stay equal because both step it with the sum of the two
+stages' gradients (server/collab/tied.py). Its gradient is clipped on its own (`clip_gradients`), so that both stages
+scale it alike whatever their other gradients are.
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_unique))
         self.norm_out = nn.LayerNorm(cfg.d_model, bias=False) if self.is_last else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+        if cfg.tie_embeddings and self.head is not None and self.embed is not None:  # one stage: one weight
+            self.head.weight = self.embed.weight
         compressed = cfg.boundary != "none"
         self.boundary_in = nn.Linear(cfg.boundary_width, cfg.d_model, bias=False) if compressed and index else None
         self.boundary_out = BoundaryOut(cfg) if compressed and not self.is_last else None
@@ -125,6 +132,18 @@ class Stage(nn.Module):
             else:
                 std = 0.02 * (depth_scale if name.endswith(("proj.weight", "down.weight")) else 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if self.tied_weight is not None and self.head is not None:  # the last stage's copy of stage 0's embedding
+            self.head.weight.copy_(embedding_init(self.cfg))
+
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of the weight that tied embeddings share with another stage (stage 0: the embedding,
+        the last stage: the LM head); None when it shares none."""
+        if not self.cfg.tie_embeddings or self.cfg.n_stages == 1:
+            return None
+        if self.embed is not None:
+            return self.embed.weight
+        return self.head.weight if self.head is not None else None
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -148,13 +167,35 @@ class Stage(nn.Module):
         return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten())
 
 
+def embedding_init(cfg: ModelConfig) -> torch.Tensor:
+    """Stage 0's initial token embedding: the first draw of its generator (`Stage.reset_parameters`)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003)
+    return torch.randn((cfg.vocab_size, cfg.d_model), generator=gen) * 0.02
+
+
+def clip_gradients(params: typing.Sequence[torch.Tensor], max_norm: float, tied: torch.Tensor | None = None) -> float:
+    """Scale the gradients of `params` to a norm of at most `max_norm`, all but `tied` together and `tied` on its own.
+    Returns the norm of all of them (not finite: some gradient is not)."""
+    rest = [p for p in params if p is not tied]
+    norm = torch.nn.utils.clip_grad_norm_(rest, max_norm) if rest else torch.zeros(())
+    if tied is None or tied.grad is None:
+        return float(norm)
+    tied_norm = torch.nn.utils.clip_grad_norm_([tied], max_norm)
+    return float(torch.hypot(norm.float(), tied_norm.float()))
+
+
 class GPT(nn.Module):
-    """All stages in one process: the reference that the partitioned swarm must match."""
+    """All stages in one process: the reference that the partitioned swarm must match. With tied embeddings the last
+    stage's head is stage 0's embedding, one parameter (`tied`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.stages = nn.ModuleList(Stage(cfg, i) for i in range(cfg.n_stages))
+        first, last = typing.cast(Stage, self.stages[0]), typing.cast(Stage, self.stages[-1])
+        self.tied = first.embed.weight if cfg.tie_embeddings and first.embed is not None else None
+        if self.tied is not None and last.head is not None:
+            last.head.weight = self.tied
 
     def forward(self, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         h = tokens_BT

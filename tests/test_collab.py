@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from server.export import export_model
 from swarm.compression import CompressionPolicy
 from swarm.config import model_config
-from swarm.model import GPT
+from swarm.model import GPT, embedding_init
 from swarm.protocol.tensors import WireStats
 from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
@@ -30,8 +30,8 @@ LR, WEIGHT_DECAY, BATCH, GLOBAL_BATCH, EPOCHS = 1e-3, 0.01, 4, 16, 30
 TRAINERS, IN_FLIGHT = 2, 3  # 24 samples in flight: more than a global batch
 
 
-def model_args() -> list[str]:
-    args = ["--preset", "local_debug"]
+def model_args(tied: bool = False) -> list[str]:
+    args = ["--preset", "local_debug", *(["--tie-embeddings"] if tied else [])]
     for k, v in MODEL_FLAGS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -46,17 +46,19 @@ def read_records(folder: Path) -> list[dict]:
     return records
 
 
-def run_swarm(tmp: Path, codec: str, name: str, epochs: int) -> tuple[list[dict], dict[tuple[int, int], dict]]:
+def run_swarm(
+    tmp: Path, codec: str, name: str, epochs: int, tied: bool = False
+) -> tuple[list[dict], dict[tuple[int, int], dict]]:
     """3 stages x 2 peers, TRAINERS trainers with IN_FLIGHT microbatches each, until `epochs` global batches were
     trained. Returns the trainers' records (read_records) and each server's final weights (saved by SIGTERM to its
-    own checkpoint folder)."""
+    own checkpoint folder). `tied`: with --tie-embeddings."""
     server_flags = [
         *("--samples-per-step", str(GLOBAL_BATCH), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)),
         *("--clip-grad-norm", "0", "--allreduce-codec", codec, "--matchmaking-time", "0.5"),
         *("--progress-period", "0.1", "--no-rebalance", "--no-delay-optimizer-step", "--lookahead-samples", "0"),
     ]
     per_trainer = epochs * GLOBAL_BATCH // BATCH // TRAINERS
-    with LocalSwarm(tmp / name, name, model_args()) as swarm:
+    with LocalSwarm(tmp / name, name, model_args(tied)) as swarm:
         swarm.start_dht()
         for stage in range(3):
             for r in range(2):
@@ -77,10 +79,11 @@ def run_swarm(tmp: Path, codec: str, name: str, epochs: int) -> tuple[list[dict]
     return read_records(tmp / name), weights
 
 
-def single_process_reference(records: list[dict]) -> list[float]:
+def single_process_reference(records: list[dict], tied: bool = False) -> list[float]:
     """The swarm's training in one process: the same microbatches (each trainer's data stream, seed = its index),
-    grouped into the same global batches (stage 0 admits each microbatch into one), one AdamW step per global batch. Returns each record's loss as this process computes it."""
-    cfg = model_config("local_debug", **MODEL_FLAGS)
+    grouped into the same global batches (stage 0 admits each microbatch into one), one AdamW step per global batch.
+    Returns each record's loss as this process computes it. `tied`: one weight for the embedding and the head."""
+    cfg = model_config("local_debug", **MODEL_FLAGS, tie_embeddings=tied)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     corpus = load_corpus(None)
@@ -155,6 +158,26 @@ def test_many_trainers_train_like_one_process_and_8bit_stays_close(tmp_path):
         f"({abs(final_8bit - final_none) / final_none:.2%} apart)"
     )
     assert abs(final_8bit - final_none) / final_none < 0.02
+
+
+@pytest.mark.timeout(600)
+def test_tied_embeddings_train_like_one_process_with_one_weight(tmp_path):
+    """--tie-embeddings: stage 0's embedding and the last stage's head are copies of one weight, stepped with the sum
+    of both stages' gradients from one all-reduce over the peers of both stages. The swarm follows one process in
+    which they are one parameter, and the copies stay equal on all four peers that hold them."""
+    epochs = 10
+    records, weights = run_swarm(tmp_path, "none", "tied", epochs, tied=True)
+    assert len(records) >= epochs * GLOBAL_BATCH // BATCH
+    ref = single_process_reference(records, tied=True)
+    rel = [abs(r["loss"] - b) / b for r, b in zip(records, ref, strict=True)]
+    print(f"\ntied embeddings: relative loss difference to one process: max {max(rel):.2e} over {epochs} steps")
+    assert max(rel) < 1e-3
+    copies = [weights[(0, r)]["embed.weight"] for r in range(2)] + [weights[(2, r)]["head.weight"] for r in range(2)]
+    gap = max((c - copies[0]).abs().max().item() for c in copies)
+    trained = (copies[0] - embedding_init(model_config("local_debug", **MODEL_FLAGS))).abs().max().item()
+    assert trained > 1e-3, "the tied weight must train"
+    print(f"tied copies: max |copy - stage 0 peer 0's| = {gap:.2e}")
+    assert gap < 1e-6, "every copy of the tied weight must hold the same values"
 
 
 def log_text(swarm: LocalSwarm, name: str) -> str:

@@ -74,7 +74,7 @@ class StageAverager(StrictAverager):
             else []
             for phase in (PHASE_P, PHASE_Q)
         }
-        super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.params], **kwargs)
+        super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.stage_params], **kwargs)
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
@@ -114,12 +114,15 @@ class GradientAveraging:
     """A weighted all-reduce of one epoch's mean gradients (weight: samples behind them), retried within
     --averaging-timeout. Compute thread or averaging pool."""
 
+    attempt_log_level = logging.WARNING  # of an attempt that failed (the round may still succeed)
+
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
         self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
         self.rounds_ok = self.rounds_failed = 0
+        self.last_group_size = 0  # peers in the last round that succeeded, us included
 
     def average(
         self,
@@ -183,15 +186,16 @@ class GradientAveraging:
         def give_up() -> bool:
             return remaining() <= 0 or finished_without_us() or nobody_left()
 
-        members = None if self.members is None else self.members()
-        self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
         while result is None and not give_up():
             # every attempt in the fixed group of the peers the stage knows now, if it knows one beyond us: a member
             # that is gone leaves that view within --peer-timeout (its Progress fails), and peers whose views differ
             # meet once they agree. Matchmaking only without one: it reads the DHT, and while a frozen peer's DHT node
             # held those reads, matchmade retries of two healthy peers found no group for 10 s (the soak)
+            fixed = group() if group is not None else None  # first: it may read who the members are afresh
+            members = None if self.members is None else self.members()
+            self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
             if group is not None:
-                self.averager.fix_group(group() or None, gather_timeout=self.cfg.matchmaking_time)
+                self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(
@@ -206,7 +210,7 @@ class GradientAveraging:
                 result = self._result(control, nobody_left)
             except Exception as e:
                 control.cancel()
-                logger.warning("all-reduce attempt failed: %r", e)
+                logger.log(self.attempt_log_level, "all-reduce attempt failed: %r", e)
                 # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
                 # round trip; a retry without them would wait the whole --averaging-timeout for a group.
                 # Do not start one and cancel it instead: hivemind may still run a cancelled step with a later group.
@@ -229,6 +233,7 @@ class GradientAveraging:
             self.rounds_failed += 1
             return False
         self.rounds_ok += 1
+        self.last_group_size = len(result)
         self.bytes += butterfly_bytes(self.codec, numel[0], torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel[1], torch.float32, len(result))
         logger.info(
@@ -370,7 +375,7 @@ class ParameterAveraging:
         """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
         self.averager.expect_group(None, None if self.members is None else self.members())
         with self.averager.get_tensors() as buffers:
-            for buf, p in zip(buffers, worker.params, strict=False):
+            for buf, p in zip(buffers, worker.stage_params, strict=True):
                 buf.copy_(p.detach())
         control = self.averager.step(
             scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
@@ -386,11 +391,11 @@ class ParameterAveraging:
             return
         if result is None:
             return
-        numel = sum(p.numel() for p in worker.params)
+        numel = sum(p.numel() for p in worker.stage_params)
         self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, len(result))
         with worker.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
-            for buf, p in zip(buffers, worker.params, strict=False):
+            for buf, p in zip(buffers, worker.stage_params, strict=True):
                 p.copy_(buf)
 
 
@@ -402,14 +407,20 @@ class Averaging:
     gradients: GradientAveraging
     parameters: ParameterAveraging | None
     state: StageAverager  # also the gradient averager: its DHT prefix is the stage's
+    # tied embeddings, on stage 0 and the last stage: the tied weight's round over both stages (tied.py), whose
+    # members are its own
+    tied: GradientAveraging | None = None
+
+    def _parts(self) -> list:
+        return [part for part in (self.gradients, self.parameters, self.tied) if part is not None]
 
     @property
     def bytes(self) -> int:
-        return self.gradients.bytes + (self.parameters.bytes if self.parameters else 0)
+        return sum(part.bytes for part in self._parts())
 
     @property
     def fp32_bytes(self) -> int:
-        return self.gradients.fp32_bytes + (self.parameters.fp32_bytes if self.parameters else 0)
+        return sum(part.fp32_bytes for part in self._parts())
 
     def restrict_to(self, members: Callable[[], Iterable[str]]) -> None:
         """Rounds hold only us and the peers whose libp2p ids `members()` returns at the time (any thread)."""
@@ -418,9 +429,7 @@ class Averaging:
             self.parameters.members = members
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
-        if self.parameters is None:
-            return (self.gradients.averager,)
-        return (self.gradients.averager, self.parameters.averager)
+        return tuple(part.averager for part in self._parts())
 
     def launch(self) -> None:
         """Main thread: fork the averagers' processes (wait for them with `wait_until_ready`)."""
@@ -437,12 +446,9 @@ class Averaging:
                 averager.shutdown()
 
 
-def build_averaging(
-    worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: AveragingConfig, policy: CompressionPolicy
-) -> Averaging:
-    """Build anywhere; `Averaging.launch` on the main thread (hivemind's averagers are forked processes)."""
-    prefix = f"{sdht.swarm_name}_v{PROTOCOL_VERSION}_stage{stage}"  # peers of another protocol never average with us
-    common = dict(
+def averager_options(sdht: SwarmDHT, cfg: AveragingConfig) -> dict:
+    """What every averager of a stage peer is built with."""
+    return dict(
         dht=sdht.dht,
         start=False,
         # hivemind: a request_timeout above min_matchmaking_time can deadlock two peers that both lead
@@ -451,10 +457,19 @@ def build_averaging(
         allreduce_timeout=cfg.averaging_timeout,
         next_chunk_timeout=cfg.averaging_timeout,
     )
+
+
+def build_averaging(
+    worker: StageWorker, sdht: SwarmDHT, stage: int, cfg: AveragingConfig, policy: CompressionPolicy
+) -> Averaging:
+    """Build anywhere; `Averaging.launch` on the main thread (hivemind's averagers are forked processes). The stage's
+    own rounds average every parameter but a tied weight (`worker.stage_params`)."""
+    prefix = f"{sdht.swarm_name}_v{PROTOCOL_VERSION}_stage{stage}"  # peers of another protocol never average with us
+    common = averager_options(sdht, cfg)
     grad_codec = policy.codec(TensorRole.ALLREDUCE_GRADIENTS)
     lowrank: LowRankState | None = None
     if cfg.allreduce_codec in LOW_RANK_CODECS:  # every peer of the stage starts from the same factors
-        layout = Layout.of([p.shape for p in worker.params], cfg.allreduce_rank)
+        layout = Layout.of([p.shape for p in worker.stage_params], cfg.allreduce_rank)
         kind = AcpState if cfg.allreduce_codec == "acp" else PowerSgdState
         lowrank = kind(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
     averager = StageAverager(
@@ -472,7 +487,7 @@ def build_averaging(
     if cfg.param_average_every > 0:
         param_codec = policy.codec(TensorRole.PARAMETERS)
         param_averager = StrictAverager(
-            averaged_tensors=[p.detach().cpu().clone() for p in worker.params],
+            averaged_tensors=[p.detach().cpu().clone() for p in worker.stage_params],
             prefix=f"{prefix}_params",
             compression=hivemind_compression(param_codec),
             allow_state_sharing=False,

@@ -34,12 +34,13 @@ import torch
 from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
 from server.collab.admission import Admission, Decision
-from server.collab.averaging import build_averaging
+from server.collab.averaging import averager_options, build_averaging
 from server.collab.hivemind_compat import check_version
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
 from server.collab.tickets import Ticket, Tickets
+from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
 from swarm.compression import get_codec
@@ -51,6 +52,15 @@ LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us 
 
 def _idle(task: asyncio.Future | None) -> bool:
     return task is None or task.done()
+
+
+def _with_tied(
+    averaged: list[torch.Tensor], tied: TiedOutcome | None
+) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor]]:
+    """The step's gradients and the parameters to load first, given the tied weight's round (if any)."""
+    if tied is None:
+        return list(averaged), {}
+    return tied.into(averaged), tied.load
 
 
 class ProgressRefused(Exception):
@@ -100,8 +110,15 @@ class StageCollaboration:
         self.cfg, self.averaging_cfg, self.network = epochs, averaging, network
         self.policy = averaging.policy()
         self.averaging = build_averaging(worker, sdht, stage, averaging, self.policy)
+        n_stages = worker.stage.cfg.n_stages
+        self.tied: TiedAveraging | None = build_tied(
+            worker, sdht, stage, n_stages, averaging, averager_options(sdht, averaging)
+        )
+        self.averaging.tied = self.tied
         # a peer's part weighs its samples in an epoch (gradients) or 1 (parameters): a larger weight is a lie, capped
         self.averaging.state.max_weight = float(self._most_samples())
+        if self.tied is not None:
+            self.tied.averager.max_weight = float(self._most_samples())
         if self.averaging.parameters is not None:
             self.averaging.parameters.averager.max_weight = 1.0
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
@@ -112,6 +129,7 @@ class StageCollaboration:
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
         self.diverged = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
+        self._tied_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tied-allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         self._kick = asyncio.Event()
         # the DHT reads an unlisted sender of Progress triggers
@@ -201,6 +219,9 @@ class StageCollaboration:
         """Start watching the stage. Call after `join` (and any checkpoint load)."""
         self.averaging.state.state_sharing_priority = self.worker.param_version
         self._loop = self.recovery.loop = asyncio.get_running_loop()
+        if self.tied is not None:
+            self.tied.loop = self._loop
+        await self._refresh_tied()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:
@@ -212,6 +233,7 @@ class StageCollaboration:
         await asyncio.gather(*pending, return_exceptions=True)
         await self.peers.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._tied_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.averaging.shutdown)
 
     async def finish_epoch(self, timeout: float) -> int:
@@ -493,6 +515,15 @@ class StageCollaboration:
     async def _refresh(self) -> None:
         await self.peers.refresh()
         await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
+        await self._refresh_tied()
+
+    async def _refresh_tied(self) -> None:
+        if self.tied is None:
+            return
+        try:
+            await self.tied.refresh()
+        except TimeoutError:  # the next poll reads again; the rounds meanwhile use the last read
+            logger.debug("stage %d: reading the peers of the tied weight's stages timed out", self.stage)
 
     async def _maybe_end_epoch(self) -> None:
         if self.phase is not Phase.ACCUMULATING:
@@ -558,13 +589,13 @@ class StageCollaboration:
                     self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
                 )
                 # peers report the next epoch while this one is still being averaged in the background
-                averaged = await asyncio.get_running_loop().run_in_executor(
+                averaged, tied = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._average, grads, n, n_peers, epoch, False
                 )
                 if averaged is None:
                     averaged, self.diverged, reference = grads, True, None  # resynced by _catch_up instead
                 if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
-                    await self.worker.submit(lambda: self._apply_delayed(averaged, alone=n_peers <= 1 and n > 0))
+                    await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
                 self.averaging.state.allow_state_sharing = True
                 if reference is not None:  # peers of another history stepped with us: copy one
                     await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
@@ -577,9 +608,28 @@ class StageCollaboration:
 
     def _average(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
+    ) -> tuple[list[torch.Tensor] | None, TiedOutcome | None]:
+        """Averaging pool or compute thread: (the stage's average, None if its round failed; the tied weight's round,
+        None without tied embeddings). `wait_for_peers`: the peers' reports of the next epoch mean this round ended
+        for them (synchronous steps); with delayed steps they report it while the round still runs. The tied
+        weight's round runs beside the stage's, on a thread of its own: a peer whose stage round failed while its
+        stage peer's ended learns so from that peer's report of the next epoch, which comes only once that peer's
+        tied round is over, and that round waits for every peer of both stages (one after the other, a stage peer
+        stuck retrying a failed round held the other stages' tied round until both timed out: seen in the test)."""
+        rest, tied_grad = split(grads, self.worker.tied_index)
+        tied_round = None
+        if self.tied is not None and tied_grad is not None and self.worker.tied is not None:
+            weight = self.worker.tied.detach().cpu()  # read while the step waits for us: nothing else writes it
+            # a peer of our stage that finished the epoch has had its tied round: ours cannot meet it any more
+            moved_on = (lambda: bool(self.peers.ahead_of(epoch))) if wait_for_peers else (lambda: False)
+            tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, weight, n, epoch, moved_on)
+        averaged = self._average_stage(rest, n, n_peers, epoch, wait_for_peers)
+        tied = None if tied_round is None else tied_round.result()
+        return (None if averaged is None else unsplit(averaged, self.worker.tied_index, tied_grad)), tied
+
+    def _average_stage(
+        self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
     ) -> list[torch.Tensor] | None:
-        """Averaging pool or compute thread. `wait_for_peers`: the peers' reports of the next epoch mean this round
-        ended for them (synchronous steps); with delayed steps they report it while the round still runs."""
         if n_peers <= 1:
             return grads
         return self.averaging.gradients.average(
@@ -594,10 +644,11 @@ class StageCollaboration:
             group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
         )
 
-    def _apply_delayed(self, averaged: list[torch.Tensor], alone: bool) -> None:
+    def _apply_delayed(self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool) -> None:
         """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
         stepped too, so our parameters now have a history of their own."""
-        self.worker.apply_gradients(averaged)
+        merged, load = _with_tied(averaged, tied)
+        self.worker.apply_gradients(merged, load=load)
         if alone:
             self.worker.branch()
 
@@ -612,11 +663,12 @@ class StageCollaboration:
         grads, n = self.worker.take_gradients()
         # read before the step: the lineages our peers reported for this epoch
         reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
-        averaged = self._average(grads, n, n_peers, epoch, True)
+        averaged, tied = self._average(grads, n, n_peers, epoch, True)
         if averaged is None:
             averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
         if averaged is not None:
-            self.worker.apply_gradients(averaged, end_epoch=True)
+            merged, load = _with_tied(averaged, tied)
+            self.worker.apply_gradients(merged, end_epoch=True, load=load)
             if n_peers <= 1 and n > 0:
                 self.worker.branch()  # peers we did not know of may have stepped too, alone or together
         if self.epoch == epoch:

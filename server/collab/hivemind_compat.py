@@ -7,7 +7,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `._running_groups`, `._averaging_alpha`, `.last_updated`, `._state_updated`;
 - `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
   `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
-  `compression`, `failed_size`), `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
+  `compression`, `failed_size`, `_input_parts_by_peer`: the tensor of each of our parts, for its codec),
+  `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
   `banned_senders`, `_future`: to hand every peer the same averaged values, and to fail a round with parts not
   averaged (at once, when a reducer fails);
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
@@ -47,7 +48,13 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import deserialize_tensor_stream, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import (
+    CompressionInfo,
+    deserialize_tensor_stream,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
@@ -235,9 +242,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         task.result()
         return outputs
 
-    def _as_sent(self, averaged: torch.Tensor) -> torch.Tensor:
-        compression = self.tensor_part_container.compression.compression_type
-        return deserialize_torch_tensor(serialize_torch_tensor(averaged, compression))
+    def _as_sent(self, averaged: torch.Tensor, info: CompressionInfo) -> torch.Tensor:
+        """`averaged` as the senders of its part receive it: encoded with the codec of that part's tensor (one codec
+        per averager, or one per tensor with hivemind's PerTensorCompression)."""
+        compression = self.tensor_part_container.compression
+        if isinstance(compression, AdaptiveCompressionBase):
+            compression = compression.choose_compression(info)
+        return deserialize_torch_tensor(serialize_torch_tensor(averaged, compression.compression_type))
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:  # a remote reducer: what it sends back is registered as it comes
@@ -248,11 +259,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                 raise
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         loop = asyncio.get_running_loop()
+        infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[peer_index]]  # our parts' tensors
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(  # capped as a remote sender's would be
                 sender_index, part_index, part, weight=min(self.weight, self.max_weight)
             )
-            as_sent = await loop.run_in_executor(None, self._as_sent, averaged)  # codec work off the event loop
+            info = infos[part_index]
+            as_sent = await loop.run_in_executor(None, self._as_sent, averaged, info)  # codec work off the event loop
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):

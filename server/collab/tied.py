@@ -1,0 +1,205 @@
+"""Tied embeddings across stages: the token embedding (stage 0) and the LM head (the last stage) are one weight, of
+which each of the two stages holds a copy (swarm/model.py).
+
+Both copies stay equal because both stages step them with the same gradient: the sum of stage 0's mean gradient and
+the last stage's, the gradient one process computes for the one weight. It comes from one all-reduce over the peers
+of both stages (Optimus-CC's fused embedding synchronization), in place of an all-reduce within each stage followed
+by a sync between the two: each peer sends its mean gradient weighted by its samples, so the round's weighted mean is
+(N_0 g_0 + N_L g_L) / (N_0 + N_L), and twice that is g_0 + g_L when the two stages' epochs hold the same samples
+(they do: every microbatch carries the global batch stage 0 gave it, and each stage's epoch e is that batch).
+
+The round is a fixed group: the ready peers the DHT lists on either stage, read by the event loop's poller; peers
+whose views differ meet nobody and retry until --averaging-timeout. The last stage ends its epoch first and waits
+in the round for stage 0 to end the same one (the backward pass still has to reach it); stage 0 needs nothing of the
+last stage to end it, so the wait cannot deadlock. A round that fails leaves the tied weight unstepped for that epoch
+on the peers it failed for. It can end for some peers and fail for others, whose copies then differ: every
+--tied-average-every epochs the round also averages the copies themselves (before the step, with the parameter
+averaging codec), which brings them back together.
+
+Joiners of either stage download the tied weight with the rest of their stage's state, so they hold what their stage
+holds. The tied weight's gradient is clipped on its own (`swarm.model.clip_gradients`): both stages scale it alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+from hivemind.compression import PerTensorCompression
+
+from dht.node import SwarmDHT
+from server.collab.averaging import GradientAveraging, butterfly_bytes, hivemind_compression
+from server.collab.hivemind_compat import StrictAverager
+from server.config import AveragingConfig
+from server.worker import StageWorker
+from swarm.compression import get_codec
+from swarm.protocol.rpc import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+PHASE_TIED = "tied"  # a round of the tied weight's gradient
+PHASE_TIED_WEIGHTS = "tied+weights"  # ... that also averages the tied weight's copies
+READ_AGAIN_S = 2.0  # the longest a retry waits for a fresh DHT read of who serves the two stages
+
+
+@dataclasses.dataclass
+class TiedOutcome:
+    """What a tied round gives the step: the gradient of the tied weight (None: it does not step this epoch), and the
+    average of its copies, to take before the step (None: keep ours)."""
+
+    index: int  # of the tied weight among the worker's parameters
+    grad: torch.Tensor | None
+    weight: torch.Tensor | None = None
+
+    def into(self, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        merged: list[torch.Tensor | None] = list(grads)
+        merged[self.index] = self.grad
+        return merged
+
+    @property
+    def load(self) -> dict[int, torch.Tensor]:
+        return {} if self.weight is None else {self.index: self.weight}
+
+
+def split(grads: list[torch.Tensor], index: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(the gradients the stage's own round averages, the tied weight's) of a worker's gradient list."""
+    if index is None:
+        return grads, None
+    return grads[:index] + grads[index + 1 :], grads[index]
+
+
+def unsplit(rest: list[torch.Tensor], index: int | None, tied: torch.Tensor | None) -> list[torch.Tensor]:
+    """Inverse of `split`."""
+    if index is None or tied is None:
+        return rest
+    return [*rest[:index], tied, *rest[index:]]
+
+
+class TiedAverager(StrictAverager):
+    """Two buffers in shared memory: the tied weight's gradient and the weight itself. A round averages the first,
+    or both (PHASE_TIED_WEIGHTS)."""
+
+    def __init__(self, shape: torch.Size, **kwargs):
+        super().__init__(averaged_tensors=[torch.zeros(shape), torch.zeros(shape)], **kwargs)
+
+    def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else None
+        if phase == PHASE_TIED:
+            return local[:1]
+        if phase == PHASE_TIED_WEIGHTS:
+            return local
+        raise ValueError(f"a round of phase {phase!r} on the tied weight's averager")
+
+
+class TiedAveraging(GradientAveraging):
+    """The tied weight's round, on a stage peer of stage 0 or the last stage. Compute thread or averaging pool, but
+    `refresh` (the event loop)."""
+
+    attempt_log_level = logging.INFO  # the last stage's first attempts fail routinely: stage 0 is not there yet
+
+    def __init__(
+        self,
+        averager: TiedAverager,
+        cfg: AveragingConfig,
+        sdht: SwarmDHT,
+        stage: int,
+        stages: tuple[int, int],
+        index: int,
+    ):
+        super().__init__(averager, cfg, get_codec(cfg.tied_codec))
+        self.sdht, self.stage, self.stages, self.index = sdht, stage, stages, index
+        self.listed: dict[int, frozenset[str]] = {s: frozenset() for s in stages}  # ready peers' libp2p ids, by stage
+        self.members = self._members
+        self.rounds_skipped = 0  # epochs a tied round did not run: a stage had no listed peer
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, which reads the DHT (set at start)
+
+    async def refresh(self) -> None:
+        """Event loop: who serves either stage, as the DHT lists them (peers still joining are left out)."""
+        for stage in self.stages:
+            entries = await self.sdht.discover(stage)
+            self.listed[stage] = frozenset(e.record.p2p_id for e in entries if e.record.p2p_id)
+
+    def _read_again(self) -> None:
+        """Any thread but the event loop's: `refresh`, waited for READ_AGAIN_S at most (else the last read stands)."""
+        if self.loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
+        try:
+            future.result(timeout=READ_AGAIN_S)
+        except Exception as e:  # a timeout, the DHT's errors: the next attempt or poll reads again
+            future.cancel()
+            logger.debug("reading the tied weight's stages again failed: %r", e)
+
+    def _members(self) -> set[str]:
+        return {*self.listed[self.stages[0]], *self.listed[self.stages[1]]} - {self.sdht.p2p_id}
+
+    def average_tied(
+        self,
+        grad: torch.Tensor,
+        weight: torch.Tensor,
+        n_samples: int,
+        epoch: int,
+        finished_without_us: Callable[[], bool] = lambda: False,
+    ) -> TiedOutcome:
+        """Our mean gradient of the tied weight over `n_samples` -> the sum of both stages' means (None if the round
+        failed, or once `finished_without_us()`: a peer of the group moved on, so no retry can meet it); on the
+        epochs of --tied-average-every, also the mean of every copy of the weight."""
+        self._read_again()  # the poller's last read can be seconds old: peers that just joined would be missing
+        partner = self.stages[1] if self.stage == self.stages[0] else self.stages[0]
+        if not self.listed[partner] - {self.sdht.p2p_id}:
+            # a stage nobody serves yet (as far as our last read knows): no round to meet, and no step alone
+            self.rounds_skipped += 1
+            logger.warning("epoch %d: the tied weight does not step: the DHT lists no ready peer of stage %d",
+                           epoch, partner)  # fmt: skip
+            return TiedOutcome(self.index, None)
+        with_weights = bool(self.cfg.tied_average_every) and epoch % self.cfg.tied_average_every == 0
+        phase = PHASE_TIED_WEIGHTS if with_weights else PHASE_TIED
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            buffers[0].copy_(grad)
+            buffers[1].copy_(weight)
+
+        attempts = [0]
+
+        def group() -> list[str]:  # a retry reads who serves the stages again: a peer may have joined or left
+            attempts[0] += 1
+            if attempts[0] > 1:
+                self._read_again()
+            return sorted(self._members())
+
+        numel = grad.numel()
+        gather = [epoch, phase, f"tied-{self.codec.name}"]
+        waits = (finished_without_us, 0.0, lambda: False, len(self._members()) + 1, group)
+        if not self._run(fill, n_samples, f"tied weight, epoch {epoch}", gather, (numel, numel), *waits):
+            return TiedOutcome(self.index, None)
+        with self.averager.get_tensors() as buffers:
+            summed, copies = buffers[0] * 2, buffers[1].clone() if with_weights else None
+        if not self._finite([summed, *([copies] if copies is not None else [])], f"tied weight, epoch {epoch}"):
+            return TiedOutcome(self.index, None)
+        if with_weights:  # the copies travel with the parameter codec (build_tied)
+            codec, size = get_codec(self.cfg.param_average_codec), self.last_group_size
+            self.bytes += butterfly_bytes(codec, numel, torch.float32, size)
+            self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, size)
+        return TiedOutcome(self.index, summed, copies)
+
+
+def build_tied(
+    worker: StageWorker, sdht: SwarmDHT, stage: int, n_stages: int, cfg: AveragingConfig, common: dict
+) -> TiedAveraging | None:
+    """The tied weight's averaging on stage 0 or the last stage of a model with tied embeddings; None elsewhere.
+    Launched, waited for and shut down with the stage's other averagers (`Averaging`)."""
+    if worker.tied is None or worker.tied_index is None:
+        return None
+    compression = PerTensorCompression(
+        [hivemind_compression(get_codec(cfg.tied_codec)), hivemind_compression(get_codec(cfg.param_average_codec))]
+    )
+    averager = TiedAverager(
+        worker.tied.shape,
+        prefix=f"{sdht.swarm_name}_v{PROTOCOL_VERSION}_tied",
+        compression=compression,
+        allow_state_sharing=False,
+        **common,
+    )
+    return TiedAveraging(averager, cfg, sdht, stage, (0, n_stages - 1), worker.tied_index)

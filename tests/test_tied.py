@@ -1,0 +1,144 @@
+"""Tied embeddings' fused sync (server/collab/tied.py) on real hivemind averagers: one all-reduce over the peers of
+stage 0 and of the last stage gives every copy of the tied weight the same step as an all-reduce within each stage
+followed by a sync between the two."""
+
+import concurrent.futures
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dht.node import SwarmDHT, start_dht
+from server.collab.averaging import averager_options
+from server.collab.hivemind_compat import start_in_background
+from server.collab.tied import PHASE_TIED, PHASE_TIED_WEIGHTS, TiedAverager, TiedOutcome, build_tied, split, unsplit
+from server.config import AveragingConfig
+
+pytestmark = pytest.mark.timeout(120)
+SWARM, LAST, SHAPE = "tiedtest", 2, (16, 8)
+
+
+@contextlib.contextmanager
+def tied_peers(stages: list[int], **averaging):
+    """One TiedAveraging per entry of `stages` (each its own DHT node and identity), every peer listed on its stage
+    (what `refresh` reads from the stage records, set here directly)."""
+    cfg = AveragingConfig(**{"matchmaking_time": 0.5, "averaging_timeout": 5.0, "allreduce_codec": "none", **averaging})
+    boot = start_dht(swarm_name=SWARM)
+    initial = [str(m) for m in boot.get_visible_maddrs()]
+    peers, dhts = [], []
+    try:
+        for stage in stages:
+            sdht = SwarmDHT.start(SWARM, initial)
+            dhts.append(sdht)
+            worker = SimpleNamespace(tied=torch.zeros(SHAPE), tied_index=0)
+            tied = build_tied(worker, sdht, stage, LAST + 1, cfg, averager_options(sdht, cfg))
+            assert tied is not None
+            start_in_background(tied.averager)
+            peers.append(tied)
+        for tied in peers:
+            tied.averager.wait_until_ready(60)
+        listed = {s: frozenset(d.p2p_id for d, st in zip(dhts, stages, strict=True) if st == s) for s in (0, LAST)}
+        for tied in peers:
+            tied.listed = dict(listed)
+        yield peers
+    finally:
+        for tied in peers:
+            tied.averager.shutdown()
+        for sdht in dhts:
+            sdht.dht.shutdown()
+        boot.shutdown()
+
+
+def run_rounds(peers, grads, weights, samples, epoch) -> list[TiedOutcome]:
+    with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
+        futures = [
+            pool.submit(t.average_tied, g, w, n, epoch)
+            for t, g, w, n in zip(peers, grads, weights, samples, strict=True)
+        ]
+        return [f.result() for f in futures]
+
+
+def test_one_round_over_both_stages_steps_every_copy_as_per_stage_rounds_and_a_sync_would():
+    """Two peers of stage 0 and two of the last stage, each with its mean gradient over its samples (8 samples per
+    stage, as one global batch). The fused round's gradient is the sum of the two stages' averages, and one AdamW
+    step with it leaves every copy equal to the weight of one process stepped with that sum (< 1e-6)."""
+    gen = torch.Generator().manual_seed(0)
+    stages, samples = [0, 0, LAST, LAST], [3, 5, 6, 2]
+    grads = [torch.randn(SHAPE, generator=gen) for _ in stages]
+    weight = torch.randn(SHAPE, generator=gen)
+    with tied_peers(stages) as peers:
+        outcomes = run_rounds(peers, grads, [weight] * 4, samples, epoch=1)
+
+    def stage_mean(stage: int) -> torch.Tensor:  # the per-stage all-reduce: a mean weighted by samples
+        parts = [(g, n) for g, n, s in zip(grads, samples, stages, strict=True) if s == stage]
+        return sum(g * n for g, n in parts) / sum(n for _, n in parts)
+
+    explicit = stage_mean(0) + stage_mean(LAST)  # ... then the sync between the stages: their sum
+    for outcome in outcomes:
+        assert outcome.grad is not None and outcome.weight is None  # epoch 1: not a --tied-average-every epoch
+        assert (outcome.grad - explicit).abs().max() < 1e-6
+    assert all(torch.equal(o.grad, outcomes[0].grad) for o in outcomes)  # the exact all-reduce: bitwise alike
+
+    reference = torch.nn.Parameter(weight.clone())
+    reference.grad = explicit
+    torch.optim.AdamW([reference], lr=1e-2).step()
+    for outcome in outcomes:
+        copy = torch.nn.Parameter(weight.clone())
+        copy.grad = outcome.grad
+        torch.optim.AdamW([copy], lr=1e-2).step()
+        assert (copy - reference).abs().max() < 1e-6
+    assert all(t.rounds_ok == 1 and t.bytes > 0 for t in peers)
+
+
+@pytest.mark.parametrize("codec", ["none", "blockwise8"])
+def test_every_few_epochs_the_round_also_brings_the_copies_together(codec):
+    """Copies that drifted apart (a round that ended for some peers and failed for others) are averaged, weighted by
+    samples, in the round of every --tied-average-every-th epoch, and the gradient still comes with them. Each with
+    its own codec: the gradient with --allreduce-codec, the copies with --param-average-codec (none: exact)."""
+    gen = torch.Generator().manual_seed(1)
+    stages, samples = [0, LAST], [4, 4]
+    grads = [torch.randn(SHAPE, generator=gen) for _ in stages]
+    copies = [torch.randn(SHAPE, generator=gen) for _ in stages]
+    with tied_peers(stages, tied_average_every=5, allreduce_codec=codec) as peers:
+        outcomes = run_rounds(peers, grads, copies, samples, epoch=10)
+    tolerance = 1e-6 if codec == "none" else 0.05  # 8-bit absmax blocks of values about 1: ~1/127 of the block max
+    for outcome in outcomes:
+        assert outcome.weight is not None and outcome.grad is not None
+        assert (outcome.weight - (copies[0] + copies[1]) / 2).abs().max() < 1e-6
+        error = (outcome.grad - (grads[0] + grads[1])).abs().max()
+        assert error < tolerance and (error > 0 or codec == "none")  # 8-bit: the gradient did go 8-bit
+        assert outcome.load == {0: outcome.weight}
+    assert torch.equal(outcomes[0].grad, outcomes[1].grad) and torch.equal(outcomes[0].weight, outcomes[1].weight)
+
+
+def test_a_round_missing_a_listed_peer_fails_and_the_tied_weight_does_not_step():
+    """A peer the DHT lists but that never comes to the round (dead, or at another epoch): the others give up within
+    --averaging-timeout and leave the tied weight unstepped; nobody steps on a half-group's average."""
+    with tied_peers([0, LAST, LAST], averaging_timeout=3.0) as peers:
+        grads = [torch.ones(SHAPE)] * 2
+        outcomes = run_rounds(peers[:2], grads, [torch.zeros(SHAPE)] * 2, [4, 4], epoch=3)
+    assert all(o.grad is None and o.weight is None and o.load == {} for o in outcomes)
+    assert all(o.into([torch.ones(1), torch.ones(1)])[0] is None for o in outcomes)
+    assert all(t.rounds_failed == 1 for t in peers[:2])
+
+
+def test_with_no_peer_of_the_other_stage_listed_the_tied_weight_does_not_step_and_no_round_is_tried():
+    with tied_peers([0]) as (peer,):
+        outcome = peer.average_tied(torch.ones(SHAPE), torch.zeros(SHAPE), 4, epoch=1)
+    assert outcome.grad is None and peer.rounds_skipped == 1 and peer.rounds_failed == 0
+
+
+def test_split_and_the_round_phases():
+    grads = [torch.full((2,), float(i)) for i in range(4)]
+    rest, tied = split(grads, 1)
+    assert [r[0].item() for r in rest] == [0, 2, 3] and tied is not None and tied[0].item() == 1
+    assert [g[0].item() for g in unsplit(rest, 1, tied)] == [0, 1, 2, 3]
+    assert split(grads, None) == (grads, None)
+    local = [torch.zeros(1), torch.ones(1)]
+    round_tensors = TiedAverager.round_tensors
+    assert round_tensors(None, [1, PHASE_TIED, "tied-none"], local) == local[:1]
+    assert round_tensors(None, [1, PHASE_TIED_WEIGHTS, "tied-none"], local) == local
+    for gathered in ([1, "P", "acp"], "garbage", None, [1]):
+        with pytest.raises(ValueError, match="tied weight"):
+            round_tensors(None, gathered, local)
