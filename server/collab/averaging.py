@@ -116,6 +116,11 @@ class GradientAveraging:
 
     attempt_log_level = logging.WARNING  # of an attempt that failed (the round may still succeed)
 
+    def gather_timeout(self) -> float:
+        """How long an attempt in a fixed group waits for every member to begin sending before it fails: the peers
+        of a stage end an epoch within moments of each other."""
+        return self.cfg.matchmaking_time
+
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
@@ -195,7 +200,7 @@ class GradientAveraging:
             members = None if self.members is None else self.members()
             self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
             if group is not None:
-                self.averager.fix_group(fixed or None, gather_timeout=self.cfg.matchmaking_time)
+                self.averager.fix_group(fixed or None, gather_timeout=self.gather_timeout())
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
             control = self.averager.step(

@@ -88,6 +88,7 @@ class LocalConfig:
     preset: str = field(default="local_debug", metadata={"help": "model preset", "choices": sorted(PRESETS)})
     boundary: str = flag_of(ModelConfig, "boundary")
     boundary_factor: int = flag_of(ModelConfig, "boundary_factor")
+    tie_embeddings: bool = flag_of(ModelConfig, "tie_embeddings")
     codec: str = field(default=TrainerConfig.codec, metadata={"help": "wire codec", "choices": sorted(CODECS)})
     backward_codec: str | None = flag_of(TrainerConfig, "backward_codec")
     backward_epilogue: float = flag_of(TrainerConfig, "backward_epilogue")
@@ -192,12 +193,17 @@ class LocalConfig:
 
     def model(self) -> ModelConfig:
         return model_config(
-            self.preset, n_stages=self.stages, boundary=self.boundary, boundary_factor=self.boundary_factor
+            self.preset,
+            n_stages=self.stages,
+            boundary=self.boundary,
+            boundary_factor=self.boundary_factor,
+            tie_embeddings=self.tie_embeddings,
         )
 
     def model_args(self) -> list[str]:
         """The model flags every server and trainer gets."""
         args = ["--preset", self.preset, "--n-stages", str(self.stages)]
+        args += ["--tie-embeddings"] if self.tie_embeddings else []
         return args + ["--boundary", self.boundary, "--boundary-factor", str(self.boundary_factor)]
 
     def trainer_config(self, index: int) -> TrainerConfig:

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from swarm.config import ModelConfig
-from swarm.model import GPT
+from swarm.model import GPT, clip_gradients
 from swarm.tools.local import LocalConfig, LocalSwarm, start_peers
 from tests.benchmarks import common
 from trainer.data import load_corpus, microbatches
@@ -84,6 +84,11 @@ def configurations() -> dict[str, LocalConfig]:
         "backward lowrank8, epilogue 25%": dataclasses.replace(d, backward_codec="lowrank8", backward_epilogue=0.25),
         "maxout 2x": dataclasses.replace(d, boundary="maxout"),
         "maxout 2x, backward piecewise4": dataclasses.replace(d, boundary="maxout", backward_codec="piecewise4"),
+        # tied embeddings (issue 11): the head is the embedding, synced by one all-reduce over stages 0 and 2
+        "tied embeddings": dataclasses.replace(d, tie_embeddings=True),
+        "tied embeddings, no compression": dataclasses.replace(
+            d, tie_embeddings=True, codec="none", allreduce_codec="none"
+        ),
     }
 
 
@@ -151,8 +156,10 @@ def one_process(
                 drawn[t].append(next(streams[t]))
             tokens, labels = drawn[t][i]
             (model(tokens, labels) * tokens.shape[0] / local.samples_per_step).backward()
-        for stage in model.stages:
-            torch.nn.utils.clip_grad_norm_(stage.parameters(), CLIP)
+        for stage in model.stages:  # a tied weight apart, as the servers of both its stages clip it
+            clip_gradients([p for p in stage.parameters() if p is not model.tied], CLIP)
+        if model.tied is not None:
+            clip_gradients([model.tied], CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"heldout_loss": evaluate(model, batch), "steps": len(groups)}
