@@ -192,10 +192,16 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stages = nn.ModuleList(Stage(cfg, i) for i in range(cfg.n_stages))
-        first, last = typing.cast(Stage, self.stages[0]), typing.cast(Stage, self.stages[-1])
-        self.tied = first.embed.weight if cfg.tie_embeddings and first.embed is not None else None
+        last = typing.cast(Stage, self.stages[-1])
         if self.tied is not None and last.head is not None:
             last.head.weight = self.tied
+
+    @property
+    def tied(self) -> torch.Tensor | None:
+        """The one weight of tied embeddings (stage 0's embedding, also the last stage's head); None without them.
+        A property, not an attribute: a module attribute holding a parameter would add a key to the state dict."""
+        first = typing.cast(Stage, self.stages[0])
+        return first.embed.weight if self.cfg.tie_embeddings and first.embed is not None else None
 
     def forward(self, tokens_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         h = tokens_BT

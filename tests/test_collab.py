@@ -178,6 +178,10 @@ def test_tied_embeddings_train_like_one_process_with_one_weight(tmp_path):
     assert trained > 1e-3, "the tied weight must train"
     print(f"tied copies: max |copy - stage 0 peer 0's| = {gap:.2e}")
     assert gap < 1e-6, "every copy of the tied weight must hold the same values"
+    cfg = model_config("local_debug", **MODEL_FLAGS, tie_embeddings=True)
+    ckpts = [str(tmp_path / "tied" / f"ckpt-s{s}-r0") for s in range(3)]
+    model = export_model(cfg, ckpts, tmp_path / "tied.safetensors")  # one process: one weight again
+    assert model.tied is model.stages[-1].head.weight and torch.equal(model.tied, copies[0])
 
 
 def log_text(swarm: LocalSwarm, name: str) -> str:

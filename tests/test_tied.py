@@ -4,16 +4,21 @@ followed by a sync between the two."""
 
 import concurrent.futures
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from dht.node import SwarmDHT, start_dht
 from server.collab.averaging import averager_options
 from server.collab.hivemind_compat import start_in_background
 from server.collab.tied import PHASE_TIED, PHASE_TIED_WEIGHTS, TiedAverager, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig
+from server.export import export_model
+from swarm.config import tiny_test
+from swarm.model import Stage
 
 pytestmark = pytest.mark.timeout(120)
 SWARM, LAST, SHAPE = "tiedtest", 2, (16, 8)
@@ -142,3 +147,16 @@ def test_split_and_the_round_phases():
     for gathered in ([1, "P", "acp"], "garbage", None, [1]):
         with pytest.raises(ValueError, match="tied weight"):
             round_tensors(None, gathered, local)
+
+
+def test_a_one_stage_tied_model_exports_into_one_process(tmp_path):
+    """One stage holds the one weight once: its checkpoint names it as the embedding, and the export gives the head
+    the same values."""
+    cfg = dataclasses.replace(tiny_test(), n_stages=1, tie_embeddings=True)
+    stage = Stage(cfg, 0)
+    weights = {name: p.detach().clone() for name, p in stage.named_parameters()}  # as save_checkpoint names them
+    assert "head.weight" not in weights
+    (tmp_path / "ckpt").mkdir()
+    save_file(weights, str(tmp_path / "ckpt" / "stage0.safetensors"))
+    model = export_model(cfg, [str(tmp_path / "ckpt")], tmp_path / "model.safetensors")
+    assert model.tied is model.stages[0].head.weight and torch.equal(model.tied, stage.embed.weight)

@@ -209,4 +209,5 @@ def build_tied(
         allow_state_sharing=False,
         **common,
     )
+    averager.robust_clip = cfg.robust_clip  # a peer sending garbage is bounded here as in the stage's own rounds
     return TiedAveraging(averager, cfg, sdht, stage, (0, n_stages - 1), worker.tied_index)
