@@ -200,7 +200,7 @@ def run_swarm(name: str, local: LocalConfig, train_path: Path, samples: int, out
         return ["--data", str(train_path), "--max-steps", str(per_trainer), "--loss-log", log]
 
     started = time.monotonic()
-    with LocalSwarm(log_dir, local.swarm_name, ["--preset", local.preset, "--n-stages", str(local.stages)]) as swarm:
+    with LocalSwarm(log_dir, local.swarm_name, local.model_args()) as swarm:
         swarm.start_dht()
         start_peers(swarm, local, server_extra=ckpt, trainer_extra=feed)
         trainers = [c for n, c in swarm.children.items() if n.startswith("trainer")]
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_swarm(name, local, train_path, samples, out, args.timeout)
             completed = [s["steps"] for s in run["stats"]]  # trainer t reads the stream of seed t
             per_batch = local.samples_per_step // local.batch_size
-            key = (tuple(completed), local.lr, local.samples_per_step, local.batch_size)
+            key = (tuple(completed), local.lr, local.samples_per_step, local.batch_size, repr(cfg))  # cfg: the model
             if key not in reference_cache:
                 common.log(f"{corpus} / {name}: one process on the same {sum(completed)} microbatches, round-robin")
                 reference_cache[key] = one_process(cfg, train, local, round_robin(completed, per_batch), batch)
