@@ -15,8 +15,9 @@ from dht.node import SwarmDHT, start_dht
 from server.collab.averaging import averager_options
 from server.collab.hivemind_compat import start_in_background
 from server.collab.tied import PHASE_TIED, PHASE_TIED_WEIGHTS, TiedAverager, TiedOutcome, build_tied, split, unsplit
-from server.config import AveragingConfig
+from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.export import export_model
+from server.worker import StageWorker
 from swarm.config import tiny_test
 from swarm.model import Stage
 
@@ -160,3 +161,23 @@ def test_a_one_stage_tied_model_exports_into_one_process(tmp_path):
     save_file(weights, str(tmp_path / "ckpt" / "stage0.safetensors"))
     model = export_model(cfg, [str(tmp_path / "ckpt")], tmp_path / "model.safetensors")
     assert model.tied is model.stages[0].head.weight and torch.equal(model.tied, stage.embed.weight)
+
+
+def test_the_worker_steps_every_parameter_but_a_tied_weight_without_a_gradient_and_loads_averaged_copies_first():
+    """The step after a tied round: a failed round (gradient None) leaves the tied weight and its optimizer state
+    untouched while the rest steps; on an averaging epoch the averaged copy is loaded before the step."""
+    cfg = dataclasses.replace(tiny_test(), tie_embeddings=True)
+    worker = StageWorker(Stage(cfg, 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    i = worker.tied_index
+    assert i is not None and worker.params[i] is worker.tied and len(worker.stage_params) == len(worker.params) - 1
+    before = [p.detach().clone() for p in worker.params]
+    grads: list = [torch.ones_like(p) for p in worker.params]
+    grads[i] = None
+    worker.apply_gradients(grads, end_epoch=True)
+    assert torch.equal(worker.tied, before[i]) and worker.tied not in worker.optimizer.state
+    assert all(not torch.equal(p, b) for j, (p, b) in enumerate(zip(worker.params, before, strict=True)) if j != i)
+    average = torch.full_like(worker.tied, 0.5)
+    grads[i] = torch.zeros_like(worker.tied)
+    worker.apply_gradients(grads, end_epoch=True, load={i: average})
+    # loaded, then stepped on a zero gradient: AdamW's weight decay alone moved it
+    assert torch.allclose(worker.tied, average, rtol=1e-3) and worker.epoch == 2
