@@ -115,6 +115,12 @@ class StageCollaboration:
             worker, sdht, stage, n_stages, averaging, averager_options(sdht, averaging)
         )
         self.averaging.tied = self.tied
+        if self.tied is not None and epochs.delay_optimizer_step:
+            logger.warning(
+                "--tie-embeddings with --delay-optimizer-step: each delayed step waits for the tied weight's round, "
+                "which waits for stage 0, and a stage round that ends for one peer and fails for another costs its "
+                "stage seconds more than in synchronous mode (README: tied embeddings)"
+            )
         # a peer's part weighs its samples in an epoch (gradients) or 1 (parameters): a larger weight is a lie, capped
         self.averaging.state.max_weight = float(self._most_samples())
         if self.tied is not None:
