@@ -37,6 +37,7 @@ from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
 
 logger = logging.getLogger(__name__)
+MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's moments in the optimizer state (AdamW's and our LAMB's names)
 INITIAL_LINEAGE = "init"
 _LINEAGE = re.compile(r"init|[0-9a-f]{16}")
 
@@ -320,14 +321,15 @@ class StageWorker:
         self,
         grads: Sequence[torch.Tensor | None],
         end_epoch: bool = False,
-        load: dict[int, torch.Tensor] | None = None,
+        load: dict[int, list[torch.Tensor]] | None = None,
     ) -> None:
         """Compute thread only. One optimizer step on `grads` (one per parameter, any device; None: that parameter
         does not step); `end_epoch`: this step finishes the current epoch (synchronous steps; a delayed step's epoch
-        ended when its gradients were taken). `load`: parameters (by index) to take these values first."""
+        ended when its gradients were taken). `load`: parameters (by index) to take these states first (as
+        `tied_state` gives them)."""
         with self.state_lock:
-            for i, value in (load or {}).items():
-                self.params[i].copy_(value)
+            for i, state in (load or {}).items():
+                self._load_slots(self.params[i], state)
             saved = [p.grad for p in self.params]  # gradients of the next epoch, when steps are delayed
             try:
                 for p, g in zip(self.params, grads, strict=False):
@@ -338,6 +340,30 @@ class StageWorker:
                     p.grad = saved_grad
             if end_epoch:
                 self.epoch += 1
+
+    def tied_state(self) -> list[torch.Tensor]:
+        """Any thread. Our copy of the tied weight and its optimizer state, as CPU tensors: [weight, first moment,
+        second moment, step count (one value)]; zeros for those of a weight that has not stepped yet."""
+        assert self.tied is not None, "tied_state: this stage holds no tied weight"
+        with self.state_lock:
+            weight = self.tied.detach().cpu().clone()
+            slots = self.optimizer.state.get(self.tied, {})
+            moments = [slots[k].detach().cpu().clone() if k in slots else torch.zeros_like(weight) for k in MOMENTS]
+            return [weight, *moments, torch.tensor([float(slots.get("step", 0))])]
+
+    def _load_slots(self, p: torch.Tensor, state: list[torch.Tensor]) -> None:
+        """Under the state lock: `p` and its optimizer state take `state` (`tied_state`'s form)."""
+        weight, exp_avg, exp_avg_sq, step = state
+        p.copy_(weight)
+        steps = round(float(step.reshape(-1)[0]))
+        if steps <= 0:
+            self.optimizer.state.pop(p, None)
+            return
+        self.optimizer.state[p] = {
+            "step": torch.tensor(float(steps)),
+            MOMENTS[0]: exp_avg.to(p.device, p.dtype).clone(),
+            MOMENTS[1]: exp_avg_sq.to(p.device, p.dtype).clamp(min=0),
+        }
 
     def _checked_step(self) -> None:
         """Compute thread, under the state lock, with `.grad` set: clip and step, unless the gradients are not finite

@@ -56,6 +56,11 @@ def tied_peers(stages: list[int], **averaging):
         boot.shutdown()
 
 
+def state_of(weight: torch.Tensor, m: float = 0.0, v: float = 0.0, step: float = 0.0) -> list[torch.Tensor]:
+    """A copy's state as `StageWorker.tied_state` gives it."""
+    return [weight, torch.full_like(weight, m), torch.full_like(weight, v), torch.tensor([step])]
+
+
 def run_rounds(peers, grads, weights, samples, epoch) -> list[TiedOutcome]:
     with concurrent.futures.ThreadPoolExecutor(len(peers)) as pool:
         futures = [
@@ -74,7 +79,7 @@ def test_one_round_over_both_stages_steps_every_copy_as_per_stage_rounds_and_a_s
     grads = [torch.randn(SHAPE, generator=gen) for _ in stages]
     weight = torch.randn(SHAPE, generator=gen)
     with tied_peers(stages) as peers:
-        outcomes = run_rounds(peers, grads, [weight] * 4, samples, epoch=1)
+        outcomes = run_rounds(peers, grads, [state_of(weight)] * 4, samples, epoch=1)
 
     def stage_mean(stage: int) -> torch.Tensor:  # the per-stage all-reduce: a mean weighted by samples
         parts = [(g, n) for g, n, s in zip(grads, samples, stages, strict=True) if s == stage]
@@ -82,7 +87,7 @@ def test_one_round_over_both_stages_steps_every_copy_as_per_stage_rounds_and_a_s
 
     explicit = stage_mean(0) + stage_mean(LAST)  # ... then the sync between the stages: their sum
     for outcome in outcomes:
-        assert outcome.grad is not None and outcome.weight is None  # epoch 1: not a --tied-average-every epoch
+        assert outcome.grad is not None and outcome.state is None  # epoch 1: not a --tied-average-every epoch
         assert (outcome.grad - explicit).abs().max() < 1e-6
     assert all(torch.equal(o.grad, outcomes[0].grad) for o in outcomes)  # the exact all-reduce: bitwise alike
 
@@ -99,23 +104,29 @@ def test_one_round_over_both_stages_steps_every_copy_as_per_stage_rounds_and_a_s
 
 @pytest.mark.parametrize("codec", ["none", "blockwise8"])
 def test_every_few_epochs_the_round_also_brings_the_copies_together(codec):
-    """Copies that drifted apart (a round that ended for some peers and failed for others) are averaged, weighted by
-    samples, in the round of every --tied-average-every-th epoch, and the gradient still comes with them. Each with
-    its own codec: the gradient with --allreduce-codec, the copies with --param-average-codec (none: exact)."""
+    """Copies that drifted apart (a round that ended for some peers and failed for others) are averaged with their
+    optimizer state, weighted by samples, in the round of every --tied-average-every-th epoch, and the gradient still
+    comes with them. Each with its own codec: the gradient with --allreduce-codec, the states with
+    --param-average-codec (none: exact)."""
     gen = torch.Generator().manual_seed(1)
     stages, samples = [0, LAST], [4, 4]
     grads = [torch.randn(SHAPE, generator=gen) for _ in stages]
     copies = [torch.randn(SHAPE, generator=gen) for _ in stages]
     with tied_peers(stages, tied_average_every=5, allreduce_codec=codec) as peers:
-        outcomes = run_rounds(peers, grads, copies, samples, epoch=10)
+        states = [state_of(copies[0], 0.1, 0.01, 7), state_of(copies[1], 0.3, 0.03, 6)]
+        outcomes = run_rounds(peers, grads, states, samples, epoch=10)
     tolerance = 1e-6 if codec == "none" else 0.05  # 8-bit absmax blocks of values about 1: ~1/127 of the block max
     for outcome in outcomes:
-        assert outcome.weight is not None and outcome.grad is not None
-        assert (outcome.weight - (copies[0] + copies[1]) / 2).abs().max() < 1e-6
+        assert outcome.state is not None and outcome.grad is not None
+        weight, m, v, step = outcome.state
+        assert (weight - (copies[0] + copies[1]) / 2).abs().max() < 1e-6
+        assert torch.allclose(m, torch.full_like(m, 0.2)) and torch.allclose(v, torch.full_like(v, 0.02))
+        assert step.item() == 6.5  # the worker rounds it: every copy takes the same count
         error = (outcome.grad - (grads[0] + grads[1])).abs().max()
         assert error < tolerance and (error > 0 or codec == "none")  # 8-bit: the gradient did go 8-bit
-        assert outcome.load == {0: outcome.weight}
-    assert torch.equal(outcomes[0].grad, outcomes[1].grad) and torch.equal(outcomes[0].weight, outcomes[1].weight)
+        assert outcome.load == {0: outcome.state}
+    assert torch.equal(outcomes[0].grad, outcomes[1].grad)
+    assert all(torch.equal(a, b) for a, b in zip(outcomes[0].state, outcomes[1].state, strict=True))
 
 
 def test_a_round_missing_a_listed_peer_fails_and_the_tied_weight_does_not_step():
@@ -123,15 +134,15 @@ def test_a_round_missing_a_listed_peer_fails_and_the_tied_weight_does_not_step()
     --averaging-timeout and leave the tied weight unstepped; nobody steps on a half-group's average."""
     with tied_peers([0, LAST, LAST], averaging_timeout=3.0) as peers:
         grads = [torch.ones(SHAPE)] * 2
-        outcomes = run_rounds(peers[:2], grads, [torch.zeros(SHAPE)] * 2, [4, 4], epoch=3)
-    assert all(o.grad is None and o.weight is None and o.load == {} for o in outcomes)
+        outcomes = run_rounds(peers[:2], grads, [state_of(torch.zeros(SHAPE))] * 2, [4, 4], epoch=3)
+    assert all(o.grad is None and o.state is None and o.load == {} for o in outcomes)
     assert all(o.into([torch.ones(1), torch.ones(1)])[0] is None for o in outcomes)
     assert all(t.rounds_failed == 1 for t in peers[:2])
 
 
 def test_with_no_peer_of_the_other_stage_listed_the_tied_weight_does_not_step_and_no_round_is_tried():
     with tied_peers([0]) as (peer,):
-        outcome = peer.average_tied(torch.ones(SHAPE), torch.zeros(SHAPE), 4, epoch=1)
+        outcome = peer.average_tied(torch.ones(SHAPE), state_of(torch.zeros(SHAPE)), 4, epoch=1)
     assert outcome.grad is None and peer.rounds_skipped == 1 and peer.rounds_failed == 0
 
 
@@ -176,8 +187,33 @@ def test_the_worker_steps_every_parameter_but_a_tied_weight_without_a_gradient_a
     worker.apply_gradients(grads, end_epoch=True)
     assert torch.equal(worker.tied, before[i]) and worker.tied not in worker.optimizer.state
     assert all(not torch.equal(p, b) for j, (p, b) in enumerate(zip(worker.params, before, strict=True)) if j != i)
-    average = torch.full_like(worker.tied, 0.5)
+    weight, m, v, step = worker.tied_state()
+    assert torch.equal(weight, before[i]) and not m.any() and not v.any() and step.item() == 0
+    average = state_of(torch.full_like(worker.tied, 0.5), m=0.0, v=1e-6, step=3.4)
     grads[i] = torch.zeros_like(worker.tied)
     worker.apply_gradients(grads, end_epoch=True, load={i: average})
     # loaded, then stepped on a zero gradient: AdamW's weight decay alone moved it
-    assert torch.allclose(worker.tied, average, rtol=1e-3) and worker.epoch == 2
+    assert torch.allclose(worker.tied, average[0], rtol=1e-3) and worker.epoch == 2
+    weight, m, v, step = worker.tied_state()
+    assert step.item() == 4  # the averaged count, rounded (3), then this step
+    assert torch.allclose(v, torch.full_like(v, 1e-6 * 0.999))  # the loaded second moment, decayed by one step
+
+
+def test_copies_that_stepped_apart_and_take_the_average_state_step_alike_from_then_on():
+    """Two copies, one of which missed a tied step: once both load the average of their states (weight, moments,
+    step count), every later step keeps them bitwise equal. With the weights alone they would step apart again."""
+    cfg = dataclasses.replace(tiny_test(), tie_embeddings=True)
+    a, b = (StageWorker(Stage(cfg, 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu")) for _ in range(2))
+    i = a.tied_index
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=gen) for p in a.params]
+    a.apply_gradients(grads, end_epoch=True)
+    b.apply_gradients([None if j == i else g for j, g in enumerate(grads)], end_epoch=True)  # its tied round failed
+    assert not torch.equal(a.tied, b.tied)
+    average = [(x + y) / 2 for x, y in zip(a.tied_state(), b.tied_state(), strict=True)]
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in a.params]
+        for w in (a, b):  # clones: a step clips its gradients in place
+            w.apply_gradients([g.clone() for g in grads], end_epoch=True, load={i: average} if average else None)
+        average = None
+        assert torch.equal(a.tied, b.tied)

@@ -56,7 +56,7 @@ def _idle(task: asyncio.Future | None) -> bool:
 
 def _with_tied(
     averaged: list[torch.Tensor], tied: TiedOutcome | None
-) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor]]:
+) -> tuple[list[torch.Tensor | None], dict[int, list[torch.Tensor]]]:
     """The step's gradients and the parameters to load first, given the tied weight's round (if any)."""
     if tied is None:
         return list(averaged), {}
@@ -625,10 +625,10 @@ class StageCollaboration:
         rest, tied_grad = split(grads, self.worker.tied_index)
         tied_round = None
         if self.tied is not None and tied_grad is not None and self.worker.tied is not None:
-            weight = self.worker.tied.detach().cpu()  # read while the step waits for us: nothing else writes it
+            state = self.worker.tied_state()
             # a peer of our stage that finished the epoch has had its tied round: ours cannot meet it any more
             moved_on = (lambda: bool(self.peers.ahead_of(epoch))) if wait_for_peers else (lambda: False)
-            tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, weight, n, epoch, moved_on)
+            tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, state, n, epoch, moved_on)
         averaged = self._average_stage(rest, n, n_peers, epoch, wait_for_peers)
         tied = None if tied_round is None else tied_round.result()
         return (None if averaged is None else unsplit(averaged, self.worker.tied_index, tied_grad)), tied

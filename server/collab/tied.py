@@ -13,8 +13,9 @@ whose views differ meet nobody and retry until --averaging-timeout. The last sta
 in the round for stage 0 to end the same one (the backward pass still has to reach it); stage 0 needs nothing of the
 last stage to end it, so the wait cannot deadlock. A round that fails leaves the tied weight unstepped for that epoch
 on the peers it failed for. It can end for some peers and fail for others, whose copies then differ: every
---tied-average-every epochs the round also averages the copies themselves (before the step, with the parameter
-averaging codec), which brings them back together.
+--tied-average-every epochs the round also averages the copies themselves and their optimizer state (moments and
+step count; before the step, with the parameter averaging codec), which makes them equal again. Weights alone would
+not: copies whose moments differ step apart again (seen: 8e-4 apart three epochs after such an average).
 
 Joiners of either stage download the tied weight with the rest of their stage's state, so they hold what their stage
 holds. The tied weight's gradient is clipped on its own (`swarm.model.clip_gradients`): both stages scale it alike.
@@ -28,7 +29,7 @@ import logging
 from collections.abc import Callable
 
 import torch
-from hivemind.compression import PerTensorCompression
+from hivemind.compression import NoCompression, PerTensorCompression
 
 from dht.node import SwarmDHT
 from server.collab.averaging import GradientAveraging, butterfly_bytes, hivemind_compression
@@ -40,18 +41,18 @@ from swarm.protocol.rpc import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 PHASE_TIED = "tied"  # a round of the tied weight's gradient
-PHASE_TIED_WEIGHTS = "tied+weights"  # ... that also averages the tied weight's copies
+PHASE_TIED_WEIGHTS = "tied+weights"  # ... that also averages the tied weight's copies and their optimizer state
 READ_AGAIN_S = 2.0  # the longest a retry waits for a fresh DHT read of who serves the two stages
 
 
 @dataclasses.dataclass
 class TiedOutcome:
     """What a tied round gives the step: the gradient of the tied weight (None: it does not step this epoch), and the
-    average of its copies, to take before the step (None: keep ours)."""
+    average of its copies' states (`StageWorker.tied_state`), to take before the step (None: keep ours)."""
 
     index: int  # of the tied weight among the worker's parameters
     grad: torch.Tensor | None
-    weight: torch.Tensor | None = None
+    state: list[torch.Tensor] | None = None
 
     def into(self, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
         merged: list[torch.Tensor | None] = list(grads)
@@ -59,8 +60,8 @@ class TiedOutcome:
         return merged
 
     @property
-    def load(self) -> dict[int, torch.Tensor]:
-        return {} if self.weight is None else {self.index: self.weight}
+    def load(self) -> dict[int, list[torch.Tensor]]:
+        return {} if self.state is None else {self.index: self.state}
 
 
 def split(grads: list[torch.Tensor], index: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -78,11 +79,12 @@ def unsplit(rest: list[torch.Tensor], index: int | None, tied: torch.Tensor | No
 
 
 class TiedAverager(StrictAverager):
-    """Two buffers in shared memory: the tied weight's gradient and the weight itself. A round averages the first,
-    or both (PHASE_TIED_WEIGHTS)."""
+    """Buffers in shared memory: the tied weight's gradient, then its state (`StageWorker.tied_state`: the weight, its
+    two moments, its step count). A round averages the gradient, or all of them (PHASE_TIED_WEIGHTS)."""
 
     def __init__(self, shape: torch.Size, **kwargs):
-        super().__init__(averaged_tensors=[torch.zeros(shape), torch.zeros(shape)], **kwargs)
+        tensors = [torch.zeros(shape) for _ in range(4)] + [torch.zeros(1)]
+        super().__init__(averaged_tensors=tensors, **kwargs)
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
         phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else None
@@ -145,14 +147,14 @@ class TiedAveraging(GradientAveraging):
     def average_tied(
         self,
         grad: torch.Tensor,
-        weight: torch.Tensor,
+        state: list[torch.Tensor],
         n_samples: int,
         epoch: int,
         finished_without_us: Callable[[], bool] = lambda: False,
     ) -> TiedOutcome:
         """Our mean gradient of the tied weight over `n_samples` -> the sum of both stages' means (None if the round
         failed, or once `finished_without_us()`: a peer of the group moved on, so no retry can meet it); on the
-        epochs of --tied-average-every, also the mean of every copy of the weight."""
+        epochs of --tied-average-every, also the mean of every copy's `state` (`StageWorker.tied_state`)."""
         self._read_again()  # the poller's last read can be seconds old: peers that just joined would be missing
         partner = self.stages[1] if self.stage == self.stages[0] else self.stages[0]
         if not self.listed[partner] - {self.sdht.p2p_id}:
@@ -166,7 +168,8 @@ class TiedAveraging(GradientAveraging):
 
         def fill(buffers: list[torch.Tensor]) -> None:
             buffers[0].copy_(grad)
-            buffers[1].copy_(weight)
+            for buf, t in zip(buffers[1:], state, strict=True):
+                buf.copy_(t)
 
         attempts = [0]
 
@@ -182,14 +185,16 @@ class TiedAveraging(GradientAveraging):
         if not self._run(fill, n_samples, f"tied weight, epoch {epoch}", gather, (numel, numel), *waits):
             return TiedOutcome(self.index, None)
         with self.averager.get_tensors() as buffers:
-            summed, copies = buffers[0] * 2, buffers[1].clone() if with_weights else None
-        if not self._finite([summed, *([copies] if copies is not None else [])], f"tied weight, epoch {epoch}"):
+            summed = buffers[0] * 2
+            averaged = [b.clone() for b in buffers[1:]] if with_weights else None
+        if not self._finite([summed, *(averaged or [])], f"tied weight, epoch {epoch}"):
             return TiedOutcome(self.index, None)
-        if with_weights:  # the copies travel with the parameter codec (build_tied)
+        if averaged is not None:  # the states travel with the parameter codec (build_tied): weight and two moments
+            averaged[2].clamp_(min=0)  # a lossy codec must not make a second moment negative
             codec, size = get_codec(self.cfg.param_average_codec), self.last_group_size
-            self.bytes += butterfly_bytes(codec, numel, torch.float32, size)
-            self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, size)
-        return TiedOutcome(self.index, summed, copies)
+            self.bytes += butterfly_bytes(codec, 3 * numel, torch.float32, size)
+            self.fp32_bytes += butterfly_bytes(get_codec("none"), 3 * numel, torch.float32, size)
+        return TiedOutcome(self.index, summed, averaged)
 
 
 def build_tied(
@@ -199,8 +204,9 @@ def build_tied(
     Launched, waited for and shut down with the stage's other averagers (`Averaging`)."""
     if worker.tied is None or worker.tied_index is None:
         return None
-    compression = PerTensorCompression(
-        [hivemind_compression(get_codec(cfg.tied_codec)), hivemind_compression(get_codec(cfg.param_average_codec))]
+    state_codec = hivemind_compression(get_codec(cfg.param_average_codec))
+    compression = PerTensorCompression(  # the gradient, the weight, its two moments, its step count (exact)
+        [hivemind_compression(get_codec(cfg.tied_codec)), state_codec, state_codec, state_codec, NoCompression()]
     )
     averager = TiedAverager(
         worker.tied.shape,
