@@ -22,6 +22,13 @@ from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig
 
+INIT_STD = 0.02  # of every weight but the norms' (residual projections: scaled down by depth)
+
+
+def init_generator(cfg: ModelConfig, index: int) -> torch.Generator:
+    """The generator stage `index` initialises from: the same on every peer of the stage."""
+    return torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
+
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -124,13 +131,13 @@ class Stage(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic in (seed, index) so that every peer of a stage, and `GPT`, start bitwise identical."""
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.index)
+        gen = init_generator(self.cfg, self.index)
         depth_scale = 1 / math.sqrt(2 * self.cfg.n_stages * self.cfg.layers_per_stage)
         for name, p in self.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                std = 0.02 * (depth_scale if name.endswith(("proj.weight", "down.weight")) else 1.0)
+                std = INIT_STD * (depth_scale if name.endswith(("proj.weight", "down.weight")) else 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
         if self.tied_weight is not None and self.head is not None:  # the last stage's copy of stage 0's embedding
             self.head.weight.copy_(embedding_init(self.cfg))
@@ -168,9 +175,9 @@ class Stage(nn.Module):
 
 
 def embedding_init(cfg: ModelConfig) -> torch.Tensor:
-    """Stage 0's initial token embedding: the first draw of its generator (`Stage.reset_parameters`)."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003)
-    return torch.randn((cfg.vocab_size, cfg.d_model), generator=gen) * 0.02
+    """Stage 0's initial token embedding: its first parameter, so the first draw of its generator
+    (`Stage.reset_parameters`), without building the rest of stage 0."""
+    return torch.randn((cfg.vocab_size, cfg.d_model), generator=init_generator(cfg, 0)) * INIT_STD
 
 
 def clip_gradients(params: typing.Sequence[torch.Tensor], max_norm: float, tied: torch.Tensor | None = None) -> float:
