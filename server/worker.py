@@ -352,10 +352,11 @@ class StageWorker:
             return [weight, *moments, torch.tensor([float(slots.get("step", 0))])]
 
     def _load_slots(self, p: torch.Tensor, state: list[torch.Tensor]) -> None:
-        """Under the state lock: `p` and its optimizer state take `state` (`tied_state`'s form)."""
+        """Under the state lock: `p` and its optimizer state take `state` (`tied_state`'s form, averaged by the peers
+        of a round: finite, checked there). A step count is capped at our epochs: no copy can have stepped more."""
         weight, exp_avg, exp_avg_sq, step = state
         p.copy_(weight)
-        steps = round(float(step.reshape(-1)[0]))
+        steps = min(round(float(step.reshape(-1)[0])), self.epoch + 1)
         if steps <= 0:
             self.optimizer.state.pop(p, None)
             return

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 
 from dht.node import SwarmDHT, start_dht
+from server.checkpoint import save_checkpoint
 from server.collab.averaging import averager_options
 from server.collab.hivemind_compat import start_in_background
 from server.collab.tied import PHASE_TIED, PHASE_TIED_WEIGHTS, TiedAverager, TiedOutcome, build_tied, split, unsplit
@@ -165,13 +166,12 @@ def test_a_one_stage_tied_model_exports_into_one_process(tmp_path):
     """One stage holds the one weight once: its checkpoint names it as the embedding, and the export gives the head
     the same values."""
     cfg = dataclasses.replace(tiny_test(), n_stages=1, tie_embeddings=True)
-    stage = Stage(cfg, 0)
-    weights = {name: p.detach().clone() for name, p in stage.named_parameters()}  # as save_checkpoint names them
-    assert "head.weight" not in weights
-    (tmp_path / "ckpt").mkdir()
-    save_file(weights, str(tmp_path / "ckpt" / "stage0.safetensors"))
+    worker = StageWorker(Stage(cfg, 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    assert worker.tied is None  # one stage: nothing to sync
+    path = save_checkpoint(worker, tmp_path / "ckpt")
+    assert "head.weight" not in load_file(str(path))
     model = export_model(cfg, [str(tmp_path / "ckpt")], tmp_path / "model.safetensors")
-    assert model.tied is model.stages[0].head.weight and torch.equal(model.tied, stage.embed.weight)
+    assert model.tied is model.stages[0].head.weight and torch.equal(model.tied, worker.stage.embed.weight)
 
 
 def test_the_worker_steps_every_parameter_but_a_tied_weight_without_a_gradient_and_loads_averaged_copies_first():
@@ -189,13 +189,13 @@ def test_the_worker_steps_every_parameter_but_a_tied_weight_without_a_gradient_a
     assert all(not torch.equal(p, b) for j, (p, b) in enumerate(zip(worker.params, before, strict=True)) if j != i)
     weight, m, v, step = worker.tied_state()
     assert torch.equal(weight, before[i]) and not m.any() and not v.any() and step.item() == 0
-    average = state_of(torch.full_like(worker.tied, 0.5), m=0.0, v=1e-6, step=3.4)
+    average = state_of(torch.full_like(worker.tied, 0.5), m=0.0, v=1e-6, step=1.4)
     grads[i] = torch.zeros_like(worker.tied)
     worker.apply_gradients(grads, end_epoch=True, load={i: average})
     # loaded, then stepped on a zero gradient: AdamW's weight decay alone moved it
     assert torch.allclose(worker.tied, average[0], rtol=1e-3) and worker.epoch == 2
     weight, m, v, step = worker.tied_state()
-    assert step.item() == 4  # the averaged count, rounded (3), then this step
+    assert step.item() == 2  # the averaged count, rounded (1), then this step
     assert torch.allclose(v, torch.full_like(v, 1e-6 * 0.999))  # the loaded second moment, decayed by one step
 
 
@@ -217,3 +217,28 @@ def test_copies_that_stepped_apart_and_take_the_average_state_step_alike_from_th
             w.apply_gradients([g.clone() for g in grads], end_epoch=True, load={i: average} if average else None)
         average = None
         assert torch.equal(a.tied, b.tied)
+
+
+def test_a_loaded_state_with_an_impossible_step_count_or_a_negative_second_moment_is_bounded():
+    """An averaged state comes from the round's peers: a step count above our epochs is capped (no copy can have
+    stepped more), a negative one clears the optimizer state, a negative second moment is clamped to 0."""
+    cfg = dataclasses.replace(tiny_test(), tie_embeddings=True)
+    worker = StageWorker(Stage(cfg, 0), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    i = worker.tied_index
+    w = torch.zeros_like(worker.tied)
+    with worker.state_lock, torch.no_grad():
+        worker._load_slots(worker.tied, state_of(w, m=0.1, v=-1.0, step=1e30))
+    weight, m, v, step = worker.tied_state()
+    assert step.item() == worker.epoch + 1 and (v == 0).all() and torch.allclose(m, torch.full_like(m, 0.1))
+    with worker.state_lock, torch.no_grad():
+        worker._load_slots(worker.tied, state_of(w, step=-5))
+    assert worker.tied not in worker.optimizer.state and worker.tied_state()[3].item() == 0
+    assert i is not None
+
+
+def test_the_round_needs_our_state_on_averaging_epochs_only():
+    with tied_peers([0]) as (peer,):  # no partner listed: the round would not run anyway
+        assert peer.averages_states(10) and not peer.averages_states(11)
+        with pytest.raises(ValueError, match="not given"):
+            peer.listed[LAST] = frozenset(["12D3KooWA"])  # someone listed: the round would run
+            peer.average_tied(torch.ones(SHAPE), None, 4, epoch=10)

@@ -625,7 +625,8 @@ class StageCollaboration:
         rest, tied_grad = split(grads, self.worker.tied_index)
         tied_round = None
         if self.tied is not None and tied_grad is not None and self.worker.tied is not None:
-            state = self.worker.tied_state()
+            # the weight and its optimizer state, copied only when the round averages them (3 copies of the weight)
+            state = self.worker.tied_state() if self.tied.averages_states(epoch) else None
             # a peer of our stage that finished the epoch has had its tied round: ours cannot meet it any more
             moved_on = (lambda: bool(self.peers.ahead_of(epoch))) if wait_for_peers else (lambda: False)
             tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, state, n, epoch, moved_on)

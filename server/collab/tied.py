@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 PHASE_TIED = "tied"  # a round of the tied weight's gradient
 PHASE_TIED_WEIGHTS = "tied+weights"  # ... that also averages the tied weight's copies and their optimizer state
 READ_AGAIN_S = 2.0  # the longest a retry waits for a fresh DHT read of who serves the two stages
+FRESH_S = 1.0  # a round starts from a DHT read at most this old (several epochs a second need no read each)
 
 
 @dataclasses.dataclass
@@ -123,16 +126,23 @@ class TiedAveraging(GradientAveraging):
         self.members = self._members
         self.rounds_skipped = 0  # epochs a tied round did not run: a stage had no listed peer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, which reads the DHT (set at start)
+        self._read_at = -math.inf  # when `refresh` last read both stages (monotonic)
 
     async def refresh(self) -> None:
         """Event loop: who serves either stage, as the DHT lists them (peers still joining are left out)."""
         for stage in self.stages:
             entries = await self.sdht.discover(stage)
             self.listed[stage] = frozenset(e.record.p2p_id for e in entries if e.record.p2p_id)
+        self._read_at = time.monotonic()
 
-    def _read_again(self) -> None:
-        """Any thread but the event loop's: `refresh`, waited for READ_AGAIN_S at most (else the last read stands)."""
-        if self.loop is None:
+    def averages_states(self, epoch: int) -> bool:
+        """Whether the round of `epoch` also averages the copies' states (every --tied-average-every epochs)."""
+        return bool(self.cfg.tied_average_every) and epoch % self.cfg.tied_average_every == 0
+
+    def _read_again(self, max_age: float = 0.0) -> None:
+        """Any thread but the event loop's: `refresh` unless the last read is at most `max_age` seconds old, waited
+        for READ_AGAIN_S at most (else the last read stands)."""
+        if self.loop is None or time.monotonic() - self._read_at <= max_age:
             return
         future = asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
         try:
@@ -147,15 +157,17 @@ class TiedAveraging(GradientAveraging):
     def average_tied(
         self,
         grad: torch.Tensor,
-        state: list[torch.Tensor],
+        state: list[torch.Tensor] | None,
         n_samples: int,
         epoch: int,
         finished_without_us: Callable[[], bool] = lambda: False,
     ) -> TiedOutcome:
         """Our mean gradient of the tied weight over `n_samples` -> the sum of both stages' means (None if the round
         failed, or once `finished_without_us()`: a peer of the group moved on, so no retry can meet it); on the
-        epochs of --tied-average-every, also the mean of every copy's `state` (`StageWorker.tied_state`)."""
-        self._read_again()  # the poller's last read can be seconds old: peers that just joined would be missing
+        epochs of --tied-average-every (`averages_states`), also the mean of every copy's `state`
+        (`StageWorker.tied_state`, needed on those epochs only)."""
+        # the poller's last read can be seconds old: a peer that just became ready would be missing from the group
+        self._read_again(max_age=FRESH_S)
         partner = self.stages[1] if self.stage == self.stages[0] else self.stages[0]
         if not self.listed[partner] - {self.sdht.p2p_id}:
             # a stage nobody serves yet (as far as our last read knows): no round to meet, and no step alone
@@ -163,13 +175,16 @@ class TiedAveraging(GradientAveraging):
             logger.warning("epoch %d: the tied weight does not step: the DHT lists no ready peer of stage %d",
                            epoch, partner)  # fmt: skip
             return TiedOutcome(self.index, None)
-        with_weights = bool(self.cfg.tied_average_every) and epoch % self.cfg.tied_average_every == 0
+        with_weights = self.averages_states(epoch)
+        if with_weights and state is None:
+            raise ValueError(f"epoch {epoch}: the tied round averages the copies' states, and ours was not given")
         phase = PHASE_TIED_WEIGHTS if with_weights else PHASE_TIED
 
         def fill(buffers: list[torch.Tensor]) -> None:
             buffers[0].copy_(grad)
-            for buf, t in zip(buffers[1:], state, strict=True):
-                buf.copy_(t)
+            if with_weights and state is not None:  # other epochs send the gradient only
+                for buf, t in zip(buffers[1:], state, strict=True):
+                    buf.copy_(t)
 
         attempts = [0]
 
