@@ -242,3 +242,18 @@ def test_the_round_needs_our_state_on_averaging_epochs_only():
         with pytest.raises(ValueError, match="not given"):
             peer.listed[LAST] = frozenset(["12D3KooWA"])  # someone listed: the round would run
             peer.average_tied(torch.ones(SHAPE), None, 4, epoch=10)
+
+
+def test_a_peer_no_stage_lists_never_joins_the_tied_round():
+    """A forged member: a peer under the tied prefix that lists itself on stage 0 (the DHT does not: the honest peers'
+    reads leave it out) and sends an extreme gradient. The honest peers average with each other alone; the stranger's
+    round fails and its values reach nobody."""
+    with tied_peers([0, LAST, 0]) as (a, b, stranger):
+        ids = {t: t.sdht.p2p_id for t in (a, b, stranger)}
+        for honest in (a, b):
+            honest.listed = {0: frozenset([ids[a]]), LAST: frozenset([ids[b]])}
+        stranger.listed = {0: frozenset([ids[a], ids[stranger]]), LAST: frozenset([ids[b]])}
+        grads = [torch.ones(SHAPE), torch.full(SHAPE, 3.0), torch.full(SHAPE, 1e6)]
+        outcomes = run_rounds([a, b, stranger], grads, [state_of(torch.zeros(SHAPE))] * 3, [4, 4, 4], epoch=1)
+    assert all(o.grad is not None and torch.allclose(o.grad, torch.full(SHAPE, 4.0)) for o in outcomes[:2])
+    assert outcomes[2].grad is None and stranger.rounds_failed == 1
