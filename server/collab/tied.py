@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 PHASE_TIED = "tied"  # a round of the tied weight's gradient
 PHASE_TIED_WEIGHTS = "tied+weights"  # ... that also averages the tied weight's copies and their optimizer state
 READ_AGAIN_S = 2.0  # the longest a retry waits for a fresh DHT read of who serves the two stages
-FRESH_S = 1.0  # a round starts from a DHT read at most this old (several epochs a second need no read each)
 
 
 @dataclasses.dataclass
@@ -126,23 +123,20 @@ class TiedAveraging(GradientAveraging):
         self.members = self._members
         self.rounds_skipped = 0  # epochs a tied round did not run: a stage had no listed peer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, which reads the DHT (set at start)
-        self._read_at = -math.inf  # when `refresh` last read both stages (monotonic)
 
     async def refresh(self) -> None:
         """Event loop: who serves either stage, as the DHT lists them (peers still joining are left out)."""
         for stage in self.stages:
             entries = await self.sdht.discover(stage)
             self.listed[stage] = frozenset(e.record.p2p_id for e in entries if e.record.p2p_id)
-        self._read_at = time.monotonic()
 
     def averages_states(self, epoch: int) -> bool:
         """Whether the round of `epoch` also averages the copies' states (every --tied-average-every epochs)."""
         return bool(self.cfg.tied_average_every) and epoch % self.cfg.tied_average_every == 0
 
-    def _read_again(self, max_age: float = 0.0) -> None:
-        """Any thread but the event loop's: `refresh` unless the last read is at most `max_age` seconds old, waited
-        for READ_AGAIN_S at most (else the last read stands)."""
-        if self.loop is None or time.monotonic() - self._read_at <= max_age:
+    def _read_again(self) -> None:
+        """Any thread but the event loop's: `refresh`, waited for READ_AGAIN_S at most (else the last read stands)."""
+        if self.loop is None:
             return
         future = asyncio.run_coroutine_threadsafe(self.refresh(), self.loop)
         try:
@@ -166,8 +160,10 @@ class TiedAveraging(GradientAveraging):
         failed, or once `finished_without_us()`: a peer of the group moved on, so no retry can meet it); on the
         epochs of --tied-average-every (`averages_states`), also the mean of every copy's `state`
         (`StageWorker.tied_state`, needed on those epochs only)."""
-        # the poller's last read can be seconds old: a peer that just became ready would be missing from the group
-        self._read_again(max_age=FRESH_S)
+        # every round reads who serves the two stages: a peer that became ready since the last read, even a second
+        # ago, would be missing from our group, and the round's one long attempt would wait out the timeout (seen
+        # at epoch 0 with reads up to a second old: stage 0 not listed yet, the last stage's tied weight unstepped)
+        self._read_again()
         partner = self.stages[1] if self.stage == self.stages[0] else self.stages[0]
         if not self.listed[partner] - {self.sdht.p2p_id}:
             # a stage nobody serves yet (as far as our last read knows): no round to meet, and no step alone
