@@ -165,6 +165,66 @@ def test_a_peer_weighs_no_more_than_one_epoch_can_hold_whatever_it_declares():
         assert torch.allclose(got, (1.0 * a + 1.5 * b) / 2.5)
 
 
+def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer():
+    """Each peer's weight is capped (above), but a liar under the cap could still outweigh honest peers. The stage's
+    peers share one epoch's samples, so the group's weights together have a bound too (max_total_weight): three peers
+    in a fixed group declaring 1, 2 and 5 samples against a bound of 8 average as usual; when the third declares 10
+    (its own cap), every peer's round fails and nobody's values change."""
+    values = [torch.full((6000,), v) for v in (1.0, 4.0, 10.0)]
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
+    common = dict(prefix="avgtest_total", start=False, min_matchmaking_time=1.0, request_timeout=0.5)
+    peers = [
+        StrictAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
+        for v, dht in zip(values, dhts, strict=True)
+    ]
+    with forking():  # see run_round
+        for peer in peers:
+            peer.max_weight, peer.max_total_weight = 10.0, 8.0
+            peer.run_in_background(await_ready=True)
+    ids = [str(p.peer_id) for p in peers]
+    results: list = [None] * 3
+
+    def round_of(weights: list[float]) -> list[torch.Tensor]:
+        def step(i: int) -> None:
+            try:
+                results[i] = peers[i].step(weight=weights[i], timeout=8, allow_retries=False)
+            except Exception as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        outs = []
+        for peer in peers:
+            with peer.get_tensors() as (got,):
+                outs.append(got.clone())
+        return outs
+
+    try:
+        for peer in peers:
+            peer.fix_group([i for i in ids if i != str(peer.peer_id)], gather_timeout=3.0)
+        outs = round_of([1.0, 2.0, 5.0])
+        assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+        assert all(torch.equal(o, outs[0]) for o in outs), "peers hold different averages"
+        assert torch.allclose(outs[0], (1 * values[0] + 2 * values[1] + 5 * values[2]) / 8)
+
+        for peer, v in zip(peers, values, strict=True):
+            with peer.get_tensors() as (got,):
+                got.copy_(v)
+        outs = round_of([1.0, 2.0, 10.0])
+        assert not any(isinstance(r, dict) for r in results), results
+        for got, v in zip(outs, values, strict=True):
+            assert torch.equal(got, v), "a failed round changed a peer's values"
+    finally:
+        for averager in peers:
+            averager.shutdown()
+        for dht in (*dhts, boot):
+            dht.shutdown()
+
+
 async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earlier_parts():
     """ClippedPartReducer alone, two parts of 4 senders: the outlier's part is clipped and counted; a sender banned
     after its first part is in that part's robust mean and not in the second's; a sender without weight is in no
@@ -204,7 +264,8 @@ async def test_a_sender_whose_weight_is_negative_not_finite_or_changing_is_refus
     runner.tensor_part_reducer = TensorPartReducer([shape] * len(parts), num_senders=1)
     runner.tensor_part_container = SimpleNamespace(prefetch=1)
     runner.sender_peer_ids, runner.banned_senders, runner.banlock = [PeerID(b"h" * 34)], set(), asyncio.Lock()
-    runner.max_weight = math.inf
+    runner.max_weight = runner.max_total_weight = math.inf
+    runner.weights, runner.reducer_failed = {}, asyncio.Event()
 
     async def stream():
         for part, weight in zip(parts, weights, strict=True):

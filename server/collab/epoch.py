@@ -121,10 +121,13 @@ class StageCollaboration:
                 "which waits for stage 0, and a stage round that ends for one peer and fails for another costs its "
                 "stage seconds more than in synchronous mode (README: tied embeddings)"
             )
-        # a peer's part weighs its samples in an epoch (gradients) or 1 (parameters): a larger weight is a lie, capped
+        # a peer's part weighs its samples in an epoch (gradients) or 1 (parameters): a larger weight is a lie, capped;
+        # and the group's parts together weigh one epoch's samples (twice that in a tied round: two stages' peers)
         self.averaging.state.max_weight = float(self._most_samples())
+        self.averaging.state.max_total_weight = float(self._epoch_total())
         if self.tied is not None:
             self.tied.averager.max_weight = float(self._most_samples())
+            self.tied.averager.max_total_weight = float(2 * self._epoch_total())
         if self.averaging.parameters is not None:
             self.averaging.parameters.averager.max_weight = 1.0
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
@@ -302,6 +305,12 @@ class StageCollaboration:
     def _most_samples(self) -> int:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
+
+    def _epoch_total(self) -> int:
+        """The most samples the peers of a stage can hold together for one epoch's round: the global batch, which its
+        last microbatch overfills by less than its own size, a microbatch counted twice (a Backward retried on
+        another peer after its reply was lost), and the lookahead (a skipped epoch's samples carry over)."""
+        return self.cfg.samples_per_step + self.cfg.lookahead_samples + 2 * self.worker.compute_cfg.max_batch_size
 
     def _spawn(self, coroutine) -> asyncio.Future:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)

@@ -198,11 +198,17 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, robust_clip: float = 0.0, max_weight: float = math.inf, **kwargs):
+    def __init__(
+        self, robust_clip: float = 0.0, max_weight: float = math.inf, max_total_weight: float = math.inf, **kwargs
+    ):
         """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean.
         `max_weight`: the most a sender weighs in the parts we reduce, whatever it declares (its samples: no more
-        than one epoch can hold); a weight that is negative, not finite, or changes between parts fails the round."""
-        self.max_weight = max_weight
+        than one epoch can hold); a weight that is negative, not finite, or changes between parts fails the round.
+        `max_total_weight`: the most the whole group can weigh (the samples of one epoch, which its peers share): a
+        group whose senders declare more together fails the round, so a peer that overstates its samples can take
+        only what its peers left, not the cap each."""
+        self.max_weight, self.max_total_weight = max_weight, max_total_weight
+        self.weights: dict[int, float] = {}  # sender index -> its weight as we count it, from its first part
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
         if robust_clip > 0:  # nothing has been reduced yet: the runner starts when awaited
@@ -258,6 +264,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.reducer_failed.set()  # its part will not be averaged: the round has failed (see `outputs`)
                 raise
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        if not self._weigh(sender_index, self.weight):
+            raise AllreduceException("the group weighs more than one epoch holds")
         loop = asyncio.get_running_loop()
         infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[peer_index]]  # our parts' tensors
         for part_index, part in enumerate(self.parts_for_local_averaging):
@@ -267,6 +275,24 @@ class ExactAllReduceRunner(AllReduceRunner):
             info = infos[part_index]
             as_sent = await loop.run_in_executor(None, self._as_sent, averaged, info)  # codec work off the event loop
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+
+    def _weigh(self, sender_index: int, weight: float) -> bool:
+        """Count a sender's weight (capped); False, and the round failed, if the senders counted so far weigh more
+        than `max_total_weight` together. Weights are >= 0, so a total over the bound stays over it: every reducer
+        finds it once every sender has begun, and the round fails for every peer."""
+        self.weights[sender_index] = min(weight, self.max_weight)
+        total = sum(self.weights.values())
+        if total <= self.max_total_weight:
+            return True
+        logger.warning(
+            "the group's parts weigh %g samples together, more than one epoch holds (%g): a peer overstates its "
+            "samples (declared so far, by sender: %s); the round fails",
+            total,
+            self.max_total_weight,
+            {str(self.sender_peer_ids[i])[-6:]: w for i, w in sorted(self.weights.items())},
+        )
+        self.reducer_failed.set()
+        return False
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """Reducer side: add each part a sender streams to the accumulator; answer with the part's average."""
@@ -286,6 +312,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                         weight,
                     )
                     break  # banned (below): the round fails rather than average with a sign flipped or NaN
+                if not part_index and not self._weigh(sender_index, weight):
+                    break  # banned (below): the round fails
                 declared = weight
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
@@ -320,6 +348,7 @@ class StrictAverager(DecentralizedAverager):
     listed_under: str | None = None
     robust_clip = 0.0  # > 0: the parts this peer reduces are CenteredClip's robust mean (set before the process forks)
     max_weight = math.inf  # the most a peer's part weighs in the parts we reduce (set before the process forks)
+    max_total_weight = math.inf  # the most the group's parts weigh together (set before the process forks)
     _listed_read_at = float("-inf")
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
@@ -508,6 +537,7 @@ class StrictAverager(DecentralizedAverager):
         runner = ExactAllReduceRunner(
             robust_clip=self.robust_clip,
             max_weight=self.max_weight,
+            max_total_weight=self.max_total_weight,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
