@@ -234,6 +234,7 @@ class StageService:
             and 0 <= msg.samples < 2**40
             and 0 <= msg.admitted < 2**40
             and 0 <= msg.admitted_next < 2**40
+            and 0 <= msg.averaged <= msg.epoch
             and (not msg.lineage or valid_lineage(msg.lineage))
             and len(msg.address) <= 300
             and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))

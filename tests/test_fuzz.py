@@ -152,6 +152,7 @@ class Fuzzer:
             address=rng.choice(["", "127.0.0.1:1", "nonsense", "a" * 400 + ":1"]),
             claims=rng.random() < 0.3,
             lineage=rng.choice(["", "init", "0" * 16, "x" * 16, "l" * 5000]),
+            averaged=rng.choice([None, 0, 1, -1, 2**62]),  # above its epoch, or negative: malformed
         )
         return "Progress", msg.SerializeToString()
 

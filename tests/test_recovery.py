@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.collab.progress import StagePeers
-from server.collab.recovery import JOIN_READS, PROBE_S, Recovery
+from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
 from swarm.config import tiny_test
@@ -155,6 +155,41 @@ def test_peers_of_two_lineages_agree_on_one_reference():
     # delayed steps: a peer reports the next epoch as soon as it takes its gradients
     assert peer("b", {"a": (4, theirs)}).lineage_reference(3, ours, moved_on=True) == "a"
     assert peer("b", {"a": (5, theirs)}).lineage_reference(3, ours, moved_on=True) is None, "two epochs on"
+
+
+def test_with_delayed_steps_a_round_is_over_once_every_peer_says_it_averaged_that_epoch():
+    """A delayed peer reports the next epoch while its round still runs, so that report does not tell a peer whose
+    round failed that it ended for the others; the `averaged` field does (server/collab/epoch.py `_average_stage`).
+    Counts only grow, messages without it say nothing, and a peer that left does not count."""
+    peers = StagePeers(SimpleNamespace(peer_id="c", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
+    peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}
+    peers.record(pb.StageProgress(peer_id="a", epoch=5, averaged=4))
+    peers.record(pb.StageProgress(peer_id="b", epoch=5))  # moved on, round still running
+    assert peers.all_ahead_of(4) and not peers.all_averaged(4)
+    peers.record(pb.StageProgress(peer_id="b", epoch=5, averaged=4))
+    assert peers.all_averaged(4) and not peers.all_averaged(5)
+    peers.record(pb.StageProgress(peer_id="a", epoch=5, averaged=3))  # late, out of order
+    assert peers.all_averaged(4)
+    peers.record(pb.StageProgress(peer_id="a", epoch=6, averaged=5))
+    assert not peers.all_averaged(5)
+    peers.peers.pop("b")
+    assert peers.all_averaged(5), "b left the stage"
+
+
+def test_a_peer_whose_delayed_round_failed_copies_a_peer_whose_round_ended_whatever_their_ids():
+    """With delayed steps a peer whose round failed steps on its own gradients and copies a peer after (epoch.py
+    `_catch_up`). It used to copy the smallest peer id at its epoch unless that was itself: a peer with the smallest id
+    whose round failed, beside one whose round ended, kept its own model for good (seen in a swarm-local run: the
+    round's last part was lost for one stage-0 peer). A peer whose round ended is the source now; only when nobody's
+    did (every peer stepped alone) does the smallest id decide."""
+    epochs = {"b": 8, "c": 8}
+    assert catch_up_source(8, epochs, "a", True, averaged=["c"]) == ("c", True)
+    assert catch_up_source(8, epochs, "a", True, averaged=["b", "c"]) == ("b", True)
+    assert catch_up_source(8, epochs, "a", True) == (None, False), "nobody's round ended: a is the reference"
+    assert catch_up_source(8, epochs, "c", True) == ("b", True)
+    assert catch_up_source(8, {"b": 7}, "a", True, averaged=["b"]) == (None, True), "b is behind: wait for it"
+    assert catch_up_source(8, {"b": 9}, "a", False) == ("b", False), "a peer ahead: copy it"
+    assert catch_up_source(8, epochs, "a", False, averaged=["c"]) == (None, False), "not diverged: nothing to copy"
 
 
 @pytest.mark.parametrize("reference_epoch", [6, 7])

@@ -137,6 +137,7 @@ class StageCollaboration:
         self.admitting = True  # stage 0: False once the peer is leaving the stage
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
         self.diverged = False
+        self._diverged_at = -1  # the epoch whose round failed for us, when we diverged
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self._tied_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tied-allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
@@ -151,6 +152,7 @@ class StageCollaboration:
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
+        self._averaged: int | None = None  # the last epoch whose stage round ended for us (our Progress says it)
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
         self._checking: asyncio.Future | None = None
@@ -331,7 +333,13 @@ class StageCollaboration:
                 break
         end_epoch = end_epoch or epoch == ending
         await self.peers.broadcast(
-            epoch, samples, end_epoch, self.admission.counts(epoch), not self.admitting, lineage=lineage
+            epoch,
+            samples,
+            end_epoch,
+            self.admission.counts(epoch),
+            not self.admitting,
+            lineage=lineage,
+            averaged=self._averaged,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
@@ -607,8 +615,10 @@ class StageCollaboration:
                 averaged, tied = await asyncio.get_running_loop().run_in_executor(
                     self._pool, self._average, grads, n, n_peers, epoch, False
                 )
-                if averaged is None:
-                    averaged, self.diverged, reference = grads, True, None  # resynced by _catch_up instead
+                if averaged is None:  # resynced by _catch_up instead
+                    averaged, self.diverged, self._diverged_at, reference = grads, True, epoch, None
+                else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
+                    self._spawn(self._broadcast(end_epoch=False))
                 if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
                     await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
                 self.averaging.state.allow_state_sharing = True
@@ -646,19 +656,26 @@ class StageCollaboration:
     def _average_stage(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
     ) -> list[torch.Tensor] | None:
+        """A round that ended for every peer but us is over: with synchronous steps their reports of the next epoch
+        say so, with delayed steps (they report it while the round runs) their `averaged` epoch does."""
         if n_peers <= 1:
             return grads
-        return self.averaging.gradients.average(
+        averaged = self.averaging.gradients.average(
             grads,
             n,
             label=f"stage {self.stage} epoch {epoch}",
             round_tag=epoch,
-            finished_without_us=(lambda: self.peers.all_ahead_of(epoch)) if wait_for_peers else (lambda: False),
-            retry_grace=self.averaging_cfg.matchmaking_time / 2 if wait_for_peers else 0.0,
+            finished_without_us=lambda: (
+                self.peers.all_ahead_of(epoch) if wait_for_peers else self.peers.all_averaged(epoch)
+            ),
+            retry_grace=self.averaging_cfg.matchmaking_time / 2,
             nobody_left=lambda: not self.peers.peers,
             group_size=n_peers,
             group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
         )
+        if averaged is not None:
+            self._averaged = epoch  # an int, written once by this thread: our next Progress carries it
+        return averaged
 
     def _apply_delayed(self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool) -> None:
         """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
@@ -705,7 +722,9 @@ class StageCollaboration:
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
         epochs = self.peers.epochs_of()
-        source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged)
+        # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
+        averaged = self.peers.averaged_since(self._diverged_at)
+        source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)
         if source is None:
             return
         logger.info(

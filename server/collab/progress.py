@@ -33,6 +33,7 @@ class StagePeers:
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
         self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
         self.lineages: dict[str, tuple[int, str]] = {}  # their parameters' lineage: peer id -> (epoch, lineage)
+        self.averaged: dict[str, int] = {}  # the last epoch whose stage round ended for them: peer id -> epoch
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
@@ -87,6 +88,8 @@ class StagePeers:
             self.view[msg.peer_id] = progress
             if msg.lineage:
                 self.lineages[msg.peer_id] = int(msg.epoch), msg.lineage
+        if msg.HasField("averaged"):
+            self.averaged[msg.peer_id] = max(self.averaged.get(msg.peer_id, -1), int(msg.averaged))
         if msg.stopped_admitting:
             self._not_admitting.add(msg.peer_id)
         elif msg.claims:
@@ -121,6 +124,7 @@ class StagePeers:
         self.peers = {**missed, **listed}
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
         self.lineages = {p: v for p, v in self.lineages.items() if p in self.peers}
+        self.averaged = {p: e for p, e in self.averaged.items() if p in self.peers}
 
     async def broadcast(
         self,
@@ -131,8 +135,10 @@ class StagePeers:
         stopped_admitting: bool = False,
         claims: bool = False,
         lineage: str = "",
+        averaged: int | None = None,
     ) -> dict[str, pb.ProgressAck]:
-        """Our progress to every stage peer. Returns the answers of those that took it, by peer id."""
+        """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
+        last epoch whose stage round ended for us (None: none yet)."""
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -147,6 +153,7 @@ class StagePeers:
             public_key=self.sdht.identity.public_key,
             claims=claims,
             lineage=lineage,
+            averaged=averaged,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         peers = list(self.peers.items())
@@ -235,6 +242,16 @@ class StagePeers:
 
     def all_ahead_of(self, epoch: int) -> bool:
         return set(self.peers) <= set(self.ahead_of(epoch))
+
+    def all_averaged(self, epoch: int) -> bool:
+        """Whether the stage round of `epoch` ended for every live peer, as their messages say (with delayed steps
+        their reports of the next epoch do not: they come while the round still runs)."""
+        return set(self.peers) <= set(self.averaged_since(epoch))
+
+    def averaged_since(self, epoch: int) -> list[str]:
+        """Live peers whose stage rounds ended up to `epoch` or later."""
+        live = set(self.peers)
+        return sorted(p for p, e in dict(self.averaged).items() if e >= epoch and p in live)
 
     def group_size(self, epoch: int) -> int:
         """Us and every peer we know of, or that reported `epoch`."""

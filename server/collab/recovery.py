@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Collection
 from concurrent.futures import Executor
 
 import torch
@@ -28,16 +29,21 @@ JOIN_READS = 3  # DHT reads a joining peer tries before it gives up: a peer that
 # stage would start from the seed beside peers that are epochs ahead
 
 
-def catch_up_source(my_epoch: int, epochs: dict[str, int], me: str, diverged: bool) -> tuple[str | None, bool]:
+def catch_up_source(
+    my_epoch: int, epochs: dict[str, int], me: str, diverged: bool, averaged: Collection[str] = ()
+) -> tuple[str | None, bool]:
     """Pure. Whom to copy: the peer furthest ahead (smallest id among equals) when one is ahead of us; when we
-    `diverged` (stepped alone), the smallest peer id among those at our epoch, unless that is us. Returns (source or
-    None, whether we are still diverged): None and still diverged while a peer is behind us, since it may step alone
-    too and the reference is decided once it has."""
+    `diverged` (stepped alone after our round failed), a peer at our epoch whose round of that epoch ended
+    (`averaged`: it holds the stage's model), the smallest; if none did, the smallest peer id among those at our
+    epoch, unless that is us. Returns (source or None, whether we are still diverged): None and still diverged while
+    a peer is behind us, since it may step alone too and the reference is decided once it has."""
     ahead = max([my_epoch, *epochs.values()])
     if ahead > my_epoch:
         return min(p for p, e in epochs.items() if e == ahead), diverged
     if not diverged:
         return None, False
+    if held := sorted(p for p in averaged if epochs.get(p) == my_epoch and p != me):
+        return held[0], True
     if any(e < my_epoch for e in epochs.values()):
         return None, True
     same = sorted(p for p, e in epochs.items() if e == my_epoch)
