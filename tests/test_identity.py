@@ -108,6 +108,15 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
         forged["b's signed message with a malformed lineage"] = signed(
             b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch + 1, lineage="x" * 40
         )
+        stepped = signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch + 1)
+        stepped.averaged = epoch  # "my round of this epoch ended", added after signing
+        forged["b's message, a round's end added after signing"] = stepped
+        forged["a stranger's signed end of a round"] = signed(
+            stranger, peer_id=stranger.peer_id, epoch=epoch + 1, averaged=epoch
+        )
+        forged["b's signed end of a round it has not reached"] = signed(
+            b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, averaged=epoch + 5
+        )
         claims = dict(a.collab.peers._claims)
         async with aio_channel(a.record().address) as channel:
             for what, msg in forged.items():
@@ -124,6 +133,7 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
             assert "made-up" not in a.collab.peers.peers and stranger.peer_id not in a.collab.peers.peers
             assert a.collab.peers._claims == claims, "no forged claim counts a share"
             assert all(line != "f" * 16 for _, line in a.collab.peers.lineages.values()), "nor names a lineage"
+            assert not a.collab.peers.averaged, "nor ends a round for anyone"
             # b's own signed message counts
             ack = await StageStub(channel).progress(
                 signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=0), timeout=5

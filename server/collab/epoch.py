@@ -309,10 +309,10 @@ class StageCollaboration:
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
     def _epoch_total(self) -> int:
-        """The most samples the peers of a stage can hold together for one epoch's round: the global batch, which its
-        last microbatch overfills by less than its own size, a microbatch counted twice (a Backward retried on
-        another peer after its reply was lost), and the lookahead (a skipped epoch's samples carry over)."""
-        return self.cfg.samples_per_step + self.cfg.lookahead_samples + 2 * self.worker.compute_cfg.max_batch_size
+        """The most samples the peers of a stage can hold together for one epoch's round: what one peer can report
+        (`_most_samples`), and a microbatch counted twice (a Backward retried on another peer after its reply was
+        lost)."""
+        return self._most_samples() + self.worker.compute_cfg.max_batch_size
 
     def _spawn(self, coroutine) -> asyncio.Future:
         task = asyncio.get_running_loop().create_task(coroutine, name=coroutine.__qualname__)

@@ -280,9 +280,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Count a sender's weight (capped); False, and the round failed, if the senders counted so far weigh more
         than `max_total_weight` together. Weights are >= 0, so a total over the bound stays over it, and it is found
         before the first part is reduced (that part waits for every sender, and each is weighed first). The reducer
-        is then finalized rather than left to go on without the sender: a part reduced without it reached the other
-        peers, and one of them ended such a round as a success while the others failed (CI; 6 of 12 runs of the test
-        on a loaded machine, 0 of 10 since)."""
+        is then finalized (`_fail_round`)."""
         self.weights[sender_index] = min(weight, self.max_weight)
         total = sum(self.weights.values())
         if total <= self.max_total_weight:

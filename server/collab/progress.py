@@ -249,7 +249,7 @@ class StagePeers:
         return set(self.peers) <= set(self.averaged_since(epoch))
 
     def averaged_since(self, epoch: int) -> list[str]:
-        """Live peers whose stage rounds ended up to `epoch` or later."""
+        """Live peers whose stage round of `epoch`, or of a later epoch, ended."""
         live = set(self.peers)
         return sorted(p for p, e in dict(self.averaged).items() if e >= epoch and p in live)
 
