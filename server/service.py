@@ -315,7 +315,9 @@ class StageService:
             if self.schema.is_first and not backward and not call.meta.inference:
                 ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
             else:
-                reply = await self._observe(collab, call, n, backward)  # checks the admission the call carries
+                reply = await self._observe(
+                    collab, call, n, backward, deadline
+                )  # checks the admission the call carries
             if reply is None and backward:
                 # a task of its own, which the caller going away (its deadline passed) does not cancel: once the
                 # compute thread has begun, the gradient counts, so the admission stays spent and the reply is kept
@@ -402,13 +404,15 @@ class StageService:
         if not job.cancelled():
             job.exception()  # the caller's call reports it; one whose caller went away needs no report
 
-    async def _observe(self, collab: Collaboration, call: Call, n: int, backward: bool) -> list[bytes] | None:
+    async def _observe(
+        self, collab: Collaboration, call: Call, n: int, backward: bool, deadline: float | None
+    ) -> list[bytes] | None:
         """Checks the call's admission (collab.observe). A Backward whose admission was spent here already is a
         retry whose reply did not reach the caller: it gets that reply (kept, or awaited while the first attempt
         waits for its epoch or computes), or is judged afresh if the first attempt failed before it counted. A
         Backward that spends its admission here is registered as computing from that moment (`_backward` ends it)."""
         try:
-            await self._observe_once(collab, call, n, backward)
+            await self._observe_once(collab, call, n, backward, deadline)
             return None
         except TicketSpent:
             try:
@@ -417,10 +421,14 @@ class StageService:
                 return reply
             except Uncounted:
                 pass
-        await self._observe_once(collab, call, n, backward)  # TicketSpent again if a third attempt took it meanwhile
+        await self._observe_once(
+            collab, call, n, backward, deadline
+        )  # TicketSpent again if a third attempt took it meanwhile
         return None
 
-    async def _observe_once(self, collab: Collaboration, call: Call, n: int, backward: bool) -> None:
+    async def _observe_once(
+        self, collab: Collaboration, call: Call, n: int, backward: bool, deadline: float | None
+    ) -> None:
         spent: list[tuple] = []  # the admission's key, once this call spent it
 
         def on_spent() -> None:
@@ -428,7 +436,8 @@ class StageService:
             self.replies.computing(spent[0])
 
         try:
-            await collab.observe(call.meta, n, backward, on_spent=on_spent if call.meta.admission_signature else None)
+            spend = on_spent if call.meta.admission_signature else None
+            await collab.observe(call.meta, n, backward, on_spent=spend, deadline=deadline)
         except BaseException:
             if spent:  # refused, or its caller went away, before it counted: the admission is free again
                 self.replies.done(spent[0], None)

@@ -161,6 +161,57 @@ async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refus
         assert worker.samples_processed == done + B
 
 
+async def test_a_delayed_stage_whose_round_is_slow_holds_calls_two_epochs_ahead_until_it_has_stepped():
+    """With delayed steps a stage accumulates epoch e + 1 while its round of epoch e runs. A call admitted at e + 2
+    means stage 0 is past e + 1 too: it waits for the step (and answers UNAVAILABLE "behind" if its deadline comes
+    first, computing nothing) instead of computing with parameters two steps old. CI saw a stage-1 pair end at epoch
+    2 while the other stages reached 21: every later microbatch had gone into the one next epoch the worker keeps.
+    The round is held here by our own hook around the averaging; admissions are signed with the stage-0 peer's key."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        collab, worker = last.collab, last.service.worker
+        collab.cfg = dataclasses.replace(collab.cfg, delay_optimizer_step=True)
+        average, release = collab._average, threading.Event()
+
+        def slow_average(*args):
+            release.wait(60)
+            return average(*args)
+
+        collab._average = slow_average
+        address, epoch = last.record().address, worker.epoch
+
+        def backward(microbatch_id: str, global_batch: int) -> list[bytes]:
+            ticket = signed_by(first.sdht.identity, microbatch_id, global_batch, global_batch)
+            return last_stage_backward(meta_of(ticket, microbatch_id))
+
+        try:
+            await raw_call(address, "Backward", backward("mb-e", epoch))
+            await raw_call(address, "Backward", backward("mb-e1", epoch + 1))  # ends epoch e: its round hangs
+            await wait_for_async(lambda: worker.epoch == epoch + 1, 10, "the stage to end epoch e")
+            assert collab.phase.value == "ending"
+            done = worker.samples_processed
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw_call(address, "Backward", backward("mb-e2", epoch + 2), timeout=3)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+            assert "still averages epoch" in refused.value.details()
+            assert worker.samples_processed == done and worker.epoch == epoch + 1
+
+            retry = asyncio.ensure_future(raw_call(address, "Backward", backward("mb-e2", epoch + 2), timeout=60))
+            await asyncio.sleep(1.0)
+            assert not retry.done() and worker.samples_processed == done
+            release.set()
+            await retry
+            # epoch e stepped, e + 1 ended (alone, it reads the DHT first: the call may come first, as e + 1's next
+            # epoch), and the call's samples are e + 2's
+            await wait_for_async(lambda: worker.epoch == epoch + 2, 10, "the stage to end epoch e + 1")
+            assert worker.samples_processed == done + B
+            assert worker.samples_accumulated == B and worker.samples_next == 0
+        finally:
+            release.set()
+            collab._average = average
+
+
 async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_its_reply():
     """A trainer whose deadline passes while a stage computes its Backward retries: whether the retry comes while the
     first attempt still computes or after it, the gradient counts once and every attempt gets the same reply. (The
@@ -225,12 +276,12 @@ async def test_a_retry_that_comes_while_the_first_attempt_waits_for_its_epoch_wa
         observe = collab._observe
         parked, release, parking = asyncio.Event(), asyncio.Event(), [True]
 
-        async def parked_observe(meta):  # the first attempt, its admission spent, waits as if for its epoch
+        async def parked_observe(meta, deadline):  # the first attempt, its admission spent, waits as if for its epoch
             if parking[0]:
                 parking[0] = False
                 parked.set()
                 await release.wait()
-            return await observe(meta)
+            return await observe(meta, deadline)
 
         try:
             calls = [

@@ -80,11 +80,17 @@ class Collaboration(Protocol):
         ...
 
     async def observe(
-        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+        self,
+        meta: pb.CallMeta,
+        samples: int,
+        backward: bool,
+        on_spent: Callable[[], None] | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Before every call but stage 0's admissions: check the admission the call carries (raises TicketRefused) and
         act on it. `on_spent`: called as soon as a Backward's admission is marked spent here, before anything else
-        is awaited (a retry that comes meanwhile then waits for this attempt instead of being refused)."""
+        is awaited (a retry that comes meanwhile then waits for this attempt instead of being refused). `deadline`:
+        the call's (a monotonic time): a call that must wait for the stage's step waits no longer."""
         ...
 
     def release(self, batch: int, n: int) -> None:
@@ -153,7 +159,12 @@ class LocalSteps:
         return Ticket(self.epoch, self.epoch)  # one peer, stepping when it has the global batch: nothing to check
 
     async def observe(
-        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+        self,
+        meta: pb.CallMeta,
+        samples: int,
+        backward: bool,
+        on_spent: Callable[[], None] | None = None,
+        deadline: float | None = None,
     ) -> None:
         pass
 

@@ -146,6 +146,8 @@ class StageCollaboration:
         self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
         self._admission = asyncio.Event()  # set when an admission may have become possible
+        self._stepped = asyncio.Event()  # set while no epoch is ending (`_step_before`)
+        self._stepped.set()
         self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
         self._claiming: tuple[int, asyncio.Future] | None = None  # stage 0: our claim of an epoch's share, in flight
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
@@ -468,7 +470,12 @@ class StageCollaboration:
         await self._broadcast(end_epoch=False)
 
     async def observe(
-        self, meta: pb.CallMeta, samples: int, backward: bool, on_spent: Callable[[], None] | None = None
+        self,
+        meta: pb.CallMeta,
+        samples: int,
+        backward: bool,
+        on_spent: Callable[[], None] | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Event loop, before every call but stage 0's admissions: raises TicketRefused unless the call's admission is
         signed by a stage-0 peer (tickets.py; a Backward must have one). The microbatch was admitted at stage 0's
@@ -476,22 +483,23 @@ class StageCollaboration:
         has passed us too. If we are still in such an epoch, end it now (before the call runs: the step is a control
         job and goes first). A peer several epochs behind (restarted from a checkpoint with the stage's other peers
         gone) skips the epochs that have no samples of its own. A Backward refused here has not spent its admission:
-        its retry, here or on another peer, is judged afresh. `on_spent`: see Collaboration.observe."""
+        its retry, here or on another peer, is judged afresh. `on_spent`, `deadline`: see Collaboration.observe."""
         await self.tickets.check(meta, samples, backward)
         try:
             if backward and on_spent is not None:
                 on_spent()
-            await self._observe(meta)
+            await self._observe(meta, deadline)
         except BaseException:
             if backward:
                 self.tickets.forget(meta)
             raise
 
-    async def _observe(self, meta: pb.CallMeta) -> None:
+    async def _observe(self, meta: pb.CallMeta, deadline: float | None) -> None:
         if self.phase is Phase.RECOVERING:
             raise Behind(f"behind: stage {self.stage}: this peer is copying the stage's state; try another peer")
         if not meta.HasField("admitted_at"):
             return
+        await self._step_before(meta.admitted_at, deadline)
         admitted_at, epoch, furthest = meta.admitted_at, self.epoch, self.peers.furthest()
         if admitted_at >= epoch + 2 and furthest is not None and furthest > epoch:
             # a peer of ours is ahead: we missed its epochs. With none ahead, the whole stage is behind stage 0 (it
@@ -508,6 +516,27 @@ class StageCollaboration:
         if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
             self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at))
             await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
+
+    async def _step_before(self, admitted_at: int, deadline: float | None) -> None:
+        """Delayed steps: wait (until `deadline`, a monotonic time) while our round of epoch e runs and stage 0 is
+        past e + 1, the epoch we accumulate meanwhile. A microbatch of a later epoch would be computed with parameters
+        two or more steps old, and the worker keeps one next epoch's gradients only: the epochs after it went into
+        that one (CI saw a stage-1 pair end at epoch 2 while the other stages reached 21). Waiting for our step does
+        what a synchronous stage's queue does. Raises Behind if the call cannot wait any more: the trainer asks again
+        shortly."""
+        if not self.cfg.delay_optimizer_step:
+            return
+        while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending + 1:
+            patience = None if deadline is None else deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic()
+            try:
+                if patience is not None and patience <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._stepped.wait(), patience)
+            except TimeoutError:
+                raise Behind(
+                    f"behind: stage {self.stage}: stage 0 is at epoch {admitted_at}, this peer still averages epoch "
+                    f"{self._ending}; ask again shortly"
+                ) from None
 
     async def _poll_forever(self) -> None:
         """Only spawns: neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile
@@ -593,6 +622,7 @@ class StageCollaboration:
             return
         logger.debug("ending epoch %d", epoch)
         self.phase, self._ending = Phase.ENDING, epoch
+        self._stepped.clear()
         self.peers.forget_before(epoch)
         if self.peers.group_size(epoch) <= 1:
             # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
@@ -628,6 +658,7 @@ class StageCollaboration:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
             self._admission.set()
+            self._stepped.set()
         self.averaging.state.state_sharing_priority = self.worker.param_version
         await self._broadcast(end_epoch=False)
 
