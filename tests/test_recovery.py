@@ -4,6 +4,7 @@ reference that is waited for can freeze: the others must not wait for it for as 
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -222,6 +223,40 @@ def test_a_delayed_step_copies_the_reference_and_keeps_what_the_next_epoch_accum
     kept = reference_epoch == 6
     assert ours.samples_accumulated == (3 if kept else 0)
     assert all((p.grad is not None and bool((p.grad == 1).all())) if kept else p.grad is None for p in ours.params)
+
+
+@pytest.mark.parametrize("source_epoch", [6, 7])
+async def test_a_diverged_peer_that_copies_a_peer_at_its_epoch_keeps_what_it_accumulated_towards_it(source_epoch):
+    """A delayed step whose round failed diverges, steps alone (epoch 5 -> 6) and copies a peer whose round ended
+    (epoch.py `_catch_up`). It had counted 3 samples of epoch 6 and told its peers: dropped with the download, the
+    stage's count of epoch 6 never reached the global batch, and stage 0 waited --admission-timeout (30 s) to end it
+    (a delayed swarm-local run: "24 of its 32 admitted samples came back"). A state of epoch 6 keeps them; a source
+    already past epoch 6 averaged it without them, and they are dropped as before."""
+    donor = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    ours = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    try:
+        donor.apply_gradients([torch.randn_like(p) for p in donor.params])
+        donor.epoch, ours.epoch = source_epoch, 6
+        for p in ours.params:
+            p.grad = torch.ones_like(p)
+        ours.samples_accumulated = 3
+        averager = SimpleNamespace(
+            allow_state_sharing=True,
+            lowrank=None,
+            split_state=lambda meta, tensors: (tensors, []),
+            download_state=lambda *a, **k: donor.state_tensors(),
+        )
+        peers = Peers("b", {"a": 8}, epoch=6)
+        peers.p2p_ids = {"a": "QmA"}
+        with ThreadPoolExecutor(1) as pool:
+            recovery = Recovery(ours, averager, peers, AveragingConfig(), 1, pool)
+            assert await recovery.download("a", keep_gradients=True)
+        assert all(torch.equal(a, b) for a, b in zip(ours.params, donor.params, strict=True))
+        kept = source_epoch == 6
+        assert ours.epoch == source_epoch and ours.samples_accumulated == (3 if kept else 0)
+        assert all((p.grad is not None and bool((p.grad == 1).all())) if kept else p.grad is None for p in ours.params)
+    finally:
+        donor.shutdown(), ours.shutdown()
 
 
 async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within_seconds():

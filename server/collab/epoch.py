@@ -767,7 +767,10 @@ class StageCollaboration:
         )
         self.phase = Phase.RECOVERING
         try:
-            if await self.recovery.download(source):
+            # a peer that diverged copies one at its own epoch: what it accumulated towards that epoch stays. Dropped,
+            # those samples were missing from a count its peers had already added up: the epoch waited for them until
+            # --admission-timeout (a 30 s stall of a delayed swarm-local run, "24 of its 32 admitted samples came back")
+            if await self.recovery.download(source, keep_gradients=True):
                 self.diverged = False
         finally:
             if self.phase is Phase.RECOVERING:

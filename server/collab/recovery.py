@@ -109,8 +109,9 @@ class Recovery:
             "stage has peers to copy, so not joining it"
         )
 
-    async def download(self, source: str, attempts: int = 3) -> bool:
-        """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record)."""
+    async def download(self, source: str, attempts: int = 3, keep_gradients: bool = False) -> bool:
+        """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record).
+        `keep_gradients`: see `load`."""
         loop = asyncio.get_running_loop()
         p2p_id = self.peers.p2p_ids.get(source)
         if not p2p_id:
@@ -128,7 +129,7 @@ class Recovery:
             if loaded is not None:
                 meta, tensors = loaded
                 try:
-                    await self.worker.submit(functools.partial(self.load, meta, tensors))
+                    await self.worker.submit(functools.partial(self.load, meta, tensors, keep_gradients))
                     return True
                 except UNUSABLE_STATE as e:
                     logger.warning("downloaded state is unusable: %r", e)
