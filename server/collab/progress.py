@@ -254,11 +254,16 @@ class StagePeers:
         return sorted(p for p, e in dict(self.averaged).items() if e >= epoch and p in live)
 
     def group_size(self, epoch: int) -> int:
-        """Us and every peer we know of, or that reported `epoch`."""
+        """Us and every peer we know of, or that reported `epoch`, except those that reported an epoch before
+        `epoch - 1`: a peer that far behind copies a state instead of joining the round. In it, it held the round
+        until --averaging-timeout: a restarted peer that had loaded an older state waited to copy ours, and with delayed
+        steps we share none until our round ends (stalls of 10 s after each restart in the delayed soak)."""
         return 1 + len(self._group(epoch))
 
     def _group(self, epoch: int) -> set[str]:
-        return set(self.peers) | {p for p, (e, _) in dict(self.view).items() if e == epoch}
+        view = dict(self.view)
+        behind = {p for p, (e, _) in view.items() if e < epoch - 1}
+        return (set(self.peers) - behind) | {p for p, (e, _) in view.items() if e == epoch}
 
     def group_p2p_ids(self, epoch: int) -> list[str] | None:
         """The libp2p ids of the peers `group_size` counts (us aside), or None if a record has not told us one."""
