@@ -160,21 +160,33 @@ def test_peers_of_two_lineages_agree_on_one_reference():
 
 def test_with_delayed_steps_a_round_is_over_once_every_peer_says_it_averaged_that_epoch():
     """A delayed peer reports the next epoch while its round still runs, so that report does not tell a peer whose
-    round failed that it ended for the others; the `averaged` field does (server/collab/epoch.py `_average_stage`).
-    Counts only grow, messages without it say nothing, and a peer that left does not count."""
+    round failed that it ended for the others; the `averaged` field does (server/collab/epoch.py `_average_stage`),
+    or a report two epochs on. Counts only grow, messages without it say nothing, and a peer that left does not
+    count."""
     peers = StagePeers(SimpleNamespace(peer_id="c", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
     peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}
     peers.record(pb.StageProgress(peer_id="a", epoch=5, averaged=4))
     peers.record(pb.StageProgress(peer_id="b", epoch=5))  # moved on, round still running
-    assert peers.all_ahead_of(4) and not peers.all_averaged(4)
+    assert peers.all_ahead_of(4) and not peers.round_over(4, delayed=True)
     peers.record(pb.StageProgress(peer_id="b", epoch=5, averaged=4))
-    assert peers.all_averaged(4) and not peers.all_averaged(5)
+    assert peers.round_over(4, delayed=True) and not peers.round_over(5, delayed=True)
     peers.record(pb.StageProgress(peer_id="a", epoch=5, averaged=3))  # late, out of order
-    assert peers.all_averaged(4)
+    assert peers.round_over(4, delayed=True)
     peers.record(pb.StageProgress(peer_id="a", epoch=6, averaged=5))
-    assert not peers.all_averaged(5)
+    assert not peers.round_over(5, delayed=True)
     peers.peers.pop("b")
-    assert peers.all_averaged(5), "b left the stage"
+    assert peers.round_over(5, delayed=True), "b left the stage"
+    # a peer that stepped alone while we were frozen sent no `averaged` of those epochs: two epochs on, it has ended
+    # the next one, which waits for this round
+    peers.peers["b"] = "127.0.0.1:2"
+    assert not peers.round_over(6, delayed=True)
+    peers.record(pb.StageProgress(peer_id="b", epoch=7))
+    assert not peers.round_over(6, delayed=True), "b may still be in its round of 6"
+    peers.record(pb.StageProgress(peer_id="b", epoch=8))
+    assert not peers.round_over(6, delayed=True), "a has not said its round of 6 ended"
+    peers.record(pb.StageProgress(peer_id="a", epoch=8))
+    assert peers.round_over(6, delayed=True) and not peers.round_over(7, delayed=True)
+    assert peers.round_over(6, delayed=False) and not peers.round_over(8, delayed=False)
 
 
 def test_a_peer_two_epochs_behind_is_left_out_of_the_round():

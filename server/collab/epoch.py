@@ -687,18 +687,17 @@ class StageCollaboration:
     def _average_stage(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
     ) -> list[torch.Tensor] | None:
-        """A round that ended for every peer but us is over: with synchronous steps their reports of the next epoch
-        say so, with delayed steps (they report it while the round runs) their `averaged` epoch does."""
+        """A round that ended for every peer but us is over (StagePeers.round_over). A lone step ends the epoch's
+        round for us too: our Progress says so, and a peer that still waits for us in one stops."""
         if n_peers <= 1:
+            self._averaged = epoch
             return grads
         averaged = self.averaging.gradients.average(
             grads,
             n,
             label=f"stage {self.stage} epoch {epoch}",
             round_tag=epoch,
-            finished_without_us=lambda: (
-                self.peers.all_ahead_of(epoch) if wait_for_peers else self.peers.all_averaged(epoch)
-            ),
+            finished_without_us=lambda: self.peers.round_over(epoch, delayed=not wait_for_peers),
             retry_grace=self.averaging_cfg.matchmaking_time / 2,
             nobody_left=lambda: not self.peers.peers,
             group_size=n_peers,

@@ -243,10 +243,16 @@ class StagePeers:
     def all_ahead_of(self, epoch: int) -> bool:
         return set(self.peers) <= set(self.ahead_of(epoch))
 
-    def all_averaged(self, epoch: int) -> bool:
-        """Whether the stage round of `epoch` ended for every live peer, as their messages say (with delayed steps
-        their reports of the next epoch do not: they come while the round still runs)."""
-        return set(self.peers) <= set(self.averaged_since(epoch))
+    def round_over(self, epoch: int, delayed: bool) -> bool:
+        """Whether the stage round of `epoch` is over for every live peer. With synchronous steps their reports of a
+        later epoch say so. With delayed steps they report the next epoch while the round runs: their `averaged`
+        epoch says so, or a report two epochs on (a peer ends the next epoch only once this round is over for it). A
+        peer that stepped alone while we were frozen reports no round of those epochs; it was at epoch 272 while we
+        retried our round of 243 with it for 30 s (the delayed soak)."""
+        if not delayed:
+            return self.all_ahead_of(epoch)
+        view, averaged = dict(self.view), dict(self.averaged)
+        return all(averaged.get(p, -1) >= epoch or view.get(p, (-1, 0))[0] >= epoch + 2 for p in self.peers)
 
     def averaged_since(self, epoch: int) -> list[str]:
         """Live peers whose stage round of `epoch`, or of a later epoch, ended."""
