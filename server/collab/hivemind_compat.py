@@ -6,8 +6,9 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `.serializer`, `.peer_id`, `GroupInfo.gathered` (each peer's [bandwidth, mode, gathered bytes]), `load_balance_peers`;
   `._running_groups`, `._averaging_alpha`, `.last_updated`, `._state_updated`;
 - `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
-  `_ban_sender`, `tensor_part_reducer.accumulate_part` / `.num_parts`, `tensor_part_container` (`return_deltas`,
-  `compression`, `failed_size`, `_input_parts_by_peer`: the tensor of each of our parts, for its codec),
+  `_ban_sender` (replaced, with `banlock`), `tensor_part_reducer.accumulate_part` / `.num_parts`,
+  `tensor_part_container` (`return_deltas`, `compression`, `failed_size`, `_input_parts_by_peer`: the tensor of each
+  of our parts, for its codec),
   `parts_for_local_averaging`, `sender_peer_ids`, `ordered_peer_ids`, `modes`,
   `banned_senders`, `_future`: to hand every peer the same averaged values, and to fail a round with parts not
   averaged (at once, when a reducer fails);
@@ -294,6 +295,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
         self._fail_round()
         return False
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        """A sender that failed (it never came within the sender timeout, broke off, or broke a rule): hivemind's
+        reducer would average our part without it and send that part to the others, who would end the round as a
+        success while we fail it (CI: a tied round whose third listed peer never came, one peer stepped on the other
+        two's average). The round fails for every peer instead."""
+        async with self.banlock:
+            if peer_id not in self.banned_senders:
+                self.banned_senders.add(peer_id)
+                self._fail_round()
 
     def _fail_round(self) -> None:
         """A sender broke the round's rules: no part of ours reaches anyone (hivemind's reducer would go on without
