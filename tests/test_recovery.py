@@ -227,13 +227,25 @@ def test_a_delayed_step_copies_the_reference_and_keeps_what_the_next_epoch_accum
     gradients of epoch 6: a state of epoch 6 is what we step on next. A reference already past it (epoch 7) has
     averaged epoch 6 without them: they are dropped, as with any download."""
 
-    def worker() -> StageWorker:
-        return StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    donor, ours, averager = donor_and_accumulating_peer(reference_epoch)
+    try:
+        donor.branch()
+        recovery = Recovery(ours, averager, Peers("b", {"a": 8}, epoch=6), AveragingConfig(), 1, pool=None)
+        recovery.adopt("a", 5, keep_gradients=True)
+        assert ours.lineage == donor.lineage and averager.allow_state_sharing
+        assert_copied(ours, donor, kept=reference_epoch == 6)
+    finally:
+        donor.shutdown(), ours.shutdown()
 
-    donor, ours = worker(), worker()
+
+def donor_and_accumulating_peer(donor_epoch: int) -> tuple[StageWorker, StageWorker, SimpleNamespace]:
+    """Real workers: a donor that stepped, at `donor_epoch`, and ours at epoch 6 with 3 samples of gradients (all
+    ones) accumulated; an averager that downloads the donor's state."""
+    donor, ours = (
+        StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu")) for _ in range(2)
+    )
     donor.apply_gradients([torch.randn_like(p) for p in donor.params])
-    donor.branch()
-    donor.epoch, ours.epoch = reference_epoch, 6
+    donor.epoch, ours.epoch = donor_epoch, 6
     for p in ours.params:
         p.grad = torch.ones_like(p)
     ours.samples_accumulated = 3
@@ -243,12 +255,13 @@ def test_a_delayed_step_copies_the_reference_and_keeps_what_the_next_epoch_accum
         split_state=lambda meta, tensors: (tensors, []),
         download_state=lambda *a, **k: donor.state_tensors(),
     )
-    recovery = Recovery(ours, averager, Peers("b", {"a": 8}, epoch=6), AveragingConfig(), 1, pool=None)
-    recovery.adopt("a", 5, keep_gradients=True)
+    return donor, ours, averager
+
+
+def assert_copied(ours: StageWorker, donor: StageWorker, kept: bool) -> None:
+    """Ours holds the donor's parameters and epoch, and kept its 3 samples of gradients or dropped them."""
     assert all(torch.equal(a, b) for a, b in zip(ours.params, donor.params, strict=True))
-    assert ours.lineage == donor.lineage and ours.epoch == reference_epoch and averager.allow_state_sharing
-    kept = reference_epoch == 6
-    assert ours.samples_accumulated == (3 if kept else 0)
+    assert ours.epoch == donor.epoch and ours.samples_accumulated == (3 if kept else 0)
     assert all((p.grad is not None and bool((p.grad == 1).all())) if kept else p.grad is None for p in ours.params)
 
 
@@ -259,29 +272,14 @@ async def test_a_diverged_peer_that_copies_a_peer_at_its_epoch_keeps_what_it_acc
     stage's count of epoch 6 never reached the global batch, and stage 0 waited --admission-timeout (30 s) to end it
     (a delayed swarm-local run: "24 of its 32 admitted samples came back"). A state of epoch 6 keeps them; a source
     already past epoch 6 averaged it without them, and they are dropped as before."""
-    donor = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
-    ours = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    donor, ours, averager = donor_and_accumulating_peer(source_epoch)
     try:
-        donor.apply_gradients([torch.randn_like(p) for p in donor.params])
-        donor.epoch, ours.epoch = source_epoch, 6
-        for p in ours.params:
-            p.grad = torch.ones_like(p)
-        ours.samples_accumulated = 3
-        averager = SimpleNamespace(
-            allow_state_sharing=True,
-            lowrank=None,
-            split_state=lambda meta, tensors: (tensors, []),
-            download_state=lambda *a, **k: donor.state_tensors(),
-        )
         peers = Peers("b", {"a": 8}, epoch=6)
         peers.p2p_ids = {"a": "QmA"}
         with ThreadPoolExecutor(1) as pool:
             recovery = Recovery(ours, averager, peers, AveragingConfig(), 1, pool)
             assert await recovery.download("a", keep_gradients=True)
-        assert all(torch.equal(a, b) for a, b in zip(ours.params, donor.params, strict=True))
-        kept = source_epoch == 6
-        assert ours.epoch == source_epoch and ours.samples_accumulated == (3 if kept else 0)
-        assert all((p.grad is not None and bool((p.grad == 1).all())) if kept else p.grad is None for p in ours.params)
+        assert_copied(ours, donor, kept=source_epoch == 6)
     finally:
         donor.shutdown(), ours.shutdown()
 

@@ -329,8 +329,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                         str(self.sender_peer_ids[sender_index])[-6:],
                         weight,
                     )
-                    self._fail_round()  # rather than average with a sign flipped or NaN
-                    break  # and banned (below)
+                    break  # banned (below), which fails the round: no average with a sign flipped or NaN
                 if not part_index and not self._weigh(sender_index, weight):
                     break  # banned (below): the round fails
                 declared = weight
