@@ -3,6 +3,7 @@ numpy >= 2.4, hivemind's 8-bit codecs fail on decode inside the averager, which 
 nothing is averaged. Two DHT nodes give the two averagers separate identities inside one test process."""
 
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -165,34 +166,30 @@ def test_a_peer_weighs_no_more_than_one_epoch_can_hold_whatever_it_declares():
         assert torch.allclose(got, (1.0 * a + 1.5 * b) / 2.5)
 
 
-def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer():
-    """Each peer's weight is capped (above), but a liar under the cap could still outweigh honest peers. The stage's
-    peers share one epoch's samples, so the group's weights together have a bound too (max_total_weight): three peers
-    in a fixed group declaring 1, 2 and 5 samples against a bound of 8 average as usual; when the third declares 10
-    (its own cap), every peer's round fails and nobody's values change."""
-    values = [torch.full((6000,), v) for v in (1.0, 4.0, 10.0)]
+@contextlib.contextmanager
+def fixed_group(prefix: str, values: list[torch.Tensor], **kwargs):
+    """Peers in a fixed group (one per tensor of `values`), each a StrictAverager on its own DHT node; `kwargs` go to
+    every averager (part sizes, timeouts). Yields the peers (not yet running: set what the process must inherit, then
+    start them) and `round_of(weights)`: one round at those weights, returning each peer's result (the round's peers,
+    or the exception its step raised) and its tensor after the round."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
-    common = dict(prefix="avgtest_total", start=False, min_matchmaking_time=1.0, request_timeout=0.5)
+    common = dict(prefix=prefix, start=False, min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=5.0)
     peers = [
-        StrictAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
+        StrictAverager(averaged_tensors=[v.clone()], dht=dht, **{**common, **kwargs})
         for v, dht in zip(values, dhts, strict=True)
     ]
-    with forking():  # see run_round
-        for peer in peers:
-            peer.max_weight, peer.max_total_weight = 10.0, 8.0
-            peer.run_in_background(await_ready=True)
-    ids = [str(p.peer_id) for p in peers]
-    results: list = [None] * 3
 
-    def round_of(weights: list[float]) -> list[torch.Tensor]:
+    def round_of(weights: list[float]) -> tuple[list, list[torch.Tensor]]:
+        results: list = [None] * len(peers)
+
         def step(i: int) -> None:
             try:
                 results[i] = peers[i].step(weight=weights[i], timeout=8, allow_retries=False)
             except Exception as e:
                 results[i] = e
 
-        threads = [threading.Thread(target=step, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(len(peers))]
         for t in threads:
             t.start()
         for t in threads:
@@ -201,12 +198,36 @@ def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer
         for peer in peers:
             with peer.get_tensors() as (got,):
                 outs.append(got.clone())
-        return outs
+        return results, outs
 
-    try:
+    def start() -> None:
+        with forking():  # see run_round
+            for peer in peers:
+                peer.run_in_background(await_ready=True)
+        ids = [str(p.peer_id) for p in peers]
         for peer in peers:
             peer.fix_group([i for i in ids if i != str(peer.peer_id)], gather_timeout=3.0)
-        outs = round_of([1.0, 2.0, 5.0])
+
+    try:
+        yield peers, start, round_of
+    finally:
+        for averager in peers:
+            averager.shutdown()
+        for dht in (*dhts, boot):
+            dht.shutdown()
+
+
+def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer():
+    """Each peer's weight is capped (above), but a liar under the cap could still outweigh honest peers. The stage's
+    peers share one epoch's samples, so the group's weights together have a bound too (max_total_weight): three peers
+    in a fixed group declaring 1, 2 and 5 samples against a bound of 8 average as usual; when the third declares 10
+    (its own cap), every peer's round fails and nobody's values change."""
+    values = [torch.full((6000,), v) for v in (1.0, 4.0, 10.0)]
+    with fixed_group("avgtest_total", values) as (peers, start, round_of):
+        for peer in peers:
+            peer.max_weight, peer.max_total_weight = 10.0, 8.0
+        start()
+        results, outs = round_of([1.0, 2.0, 5.0])
         assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
         assert all(torch.equal(o, outs[0]) for o in outs), "peers hold different averages"
         assert torch.allclose(outs[0], (1 * values[0] + 2 * values[1] + 5 * values[2]) / 8)
@@ -214,15 +235,41 @@ def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer
         for peer, v in zip(peers, values, strict=True):
             with peer.get_tensors() as (got,):
                 got.copy_(v)
-        outs = round_of([1.0, 2.0, 10.0])
+        results, outs = round_of([1.0, 2.0, 10.0])
         assert not any(isinstance(r, dict) for r in results), results
         for got, v in zip(outs, values, strict=True):
             assert torch.equal(got, v), "a failed round changed a peer's values"
-    finally:
-        for averager in peers:
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+
+
+class BreaksOffToOnePeer(ExactAllReduceRunner):
+    """A sender that sends the first reducer after itself only the first of its parts, then ends the stream; every
+    other reducer gets all of its parts."""
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        others = [i for i, p in enumerate(self.ordered_peer_ids) if p != self.peer_id]
+        sent = 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            if peer_index == others[0] and sent == 1:
+                return
+            yield message
+            sent += 1
+
+
+def test_a_round_in_which_a_sender_breaks_off_to_one_reducer_fails_for_every_peer():
+    """Three peers, each reducing several parts; the third breaks off after its first part to the first reducer after
+    it and sends everything to the other. hivemind's reducer finishes that part without the sender and hands it on,
+    so the other honest peer, whose own part was whole, ended the round with a partial average as a success (CI: a
+    tied round where one peer stepped on two peers' average while the other failed). Now nobody's round succeeds and
+    no peer's values change, round after round."""
+    values = [torch.full((12_000,), v) for v in (1.0, 4.0, 10.0)]
+    with fixed_group("avgtest_breaks_off", values, part_size_bytes=4096) as (peers, start, round_of):
+        peers[2].runner_type = BreaksOffToOnePeer
+        start()
+        for _ in range(3):
+            results, outs = round_of([1.0, 1.0, 1.0])
+            assert not any(isinstance(r, dict) for r in results), results
+            for got, v in zip(outs, values, strict=True):
+                assert torch.equal(got, v), "a failed round changed a peer's values"
 
 
 async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earlier_parts():
