@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if debug := os.environ.get("SWARM_DEBUG"):  # "1": every server module; or one logger, e.g. "server.service"
-        logging.getLogger("server" if debug == "1" else debug).setLevel(logging.DEBUG)
+    # SWARM_DEBUG: "1" for every server module, or loggers, e.g. "server.service,server.collab"
+    if debug := os.environ.get("SWARM_DEBUG"):
+        for name in ["server"] if debug == "1" else debug.split(","):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     if cfg.compute.torch_threads > 0:
         torch.set_num_threads(cfg.compute.torch_threads)
     device = resolve_device(cfg.compute.device)

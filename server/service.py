@@ -301,6 +301,7 @@ class StageService:
         self.active_calls += 1
         self.calls_by_caller[caller] = held + 1
         call: Call | None = None
+        where = "reading"  # what the call waits for now: SWARM_DEBUG logs it for a call its caller gave up on
         # (status, message) to end the call with. Refused after the `except` blocks, not in them: an abort raised
         # there would chain the caught exception, whose traceback holds this call's frames and buffers, into a
         # reference cycle with gRPC's handler that only the garbage collector frees (bench_flood: RSS rose ~200 MB
@@ -312,12 +313,14 @@ class StageService:
             call = await self._read(raw_frames, limits, deadline, caller)
             ticket = None
             n = self._samples(call)
+            where = "admission" if self.schema.is_first and not backward else "its epoch (observe)"
             if self.schema.is_first and not backward and not call.meta.inference:
                 ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
             else:
                 reply = await self._observe(
                     collab, call, n, backward, deadline
                 )  # checks the admission the call carries
+            where = "its computation"
             if reply is None and backward:
                 # a task of its own, which the caller going away (its deadline passed) does not cancel: once the
                 # compute thread has begun, the gradient counts, so the admission stays spent and the reply is kept
@@ -350,7 +353,24 @@ class StageService:
             refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except DeadlineExpired:
             refusal = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before computing; nothing computed"
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the caller went away (or the server stops)
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "%s of %s from %s: its caller went away after %.2fs, waiting for %s",
+                        "Backward" if backward else "Forward",
+                        call.meta.microbatch_id[:40] if call is not None else "?",
+                        caller,
+                        time.monotonic() - started,
+                        where,
+                    )
+                raise
+            # something this call waited for was cancelled, not the call: re-raised, it would end the handler
+            # without a status, and the caller would hear nothing until its deadline
+            logger.warning("%s interrupted while waiting for %s", "Backward" if backward else "Forward", where)
+            refusal = grpc.StatusCode.UNAVAILABLE, f"interrupted while waiting for {where}; ask again"
+        except grpc.aio.AbortError:
             raise
         except Exception:  # a bug, not the caller's fault: say so briefly, never with a traceback
             logger.exception("%s failed", "Backward" if backward else "Forward")

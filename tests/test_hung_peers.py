@@ -16,6 +16,7 @@ import grpc
 import pytest
 from hivemind.averaging.partition import AllreduceException
 
+from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
 from server.collab.averaging import GradientAveraging
@@ -33,6 +34,7 @@ class ListingDHT:
     """What StagePeers asks the DHT: who serves the stage. Lists `addresses` (peer id -> host:port) as ready."""
 
     p2p = None  # no libp2p: every peer here is reached over gRPC
+    identity = Identity()  # signs our Progress messages
 
     def __init__(self, addresses: dict[str, str]):
         self.peer_id, self.addresses = "us", addresses
@@ -66,6 +68,27 @@ async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_spea
     await peers.refresh()
     assert peers.peers == {"frozen": dead}
     await peers.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_progress_in_flight_when_another_drops_the_frozen_peer_fails_on_its_deadline_not_cancelled():
+    """Every Backward's reply waits for its Progress to the stage's peers. Two Progress messages to a frozen peer,
+    0.5 s apart: the first times out and drops the peer, and with it the channel. The second, still in flight on that
+    channel, used to end in CancelledError (grpc.aio cancels a closed channel's calls), which ended the waiting
+    Backward's handler without a status: its trainer heard nothing until its own deadline (10 s of a soak's stall).
+    Now the second ends on its own deadline as a message the peer did not take."""
+    async with hanging_stage_server() as (address, _):
+        peers = StagePeers(ListingDHT({"frozen": address}), stage=1, peer_timeout=1.0)
+        await peers.refresh()
+        peers.record(pb.StageProgress(peer_id="frozen", epoch=0, samples=4))  # it spoke once, then froze
+        first = asyncio.ensure_future(peers.broadcast(0, 4, False))
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        second = await peers.broadcast(0, 8, False)
+        assert second == {} and await first == {}
+        assert 0.3 < time.monotonic() - started < 2.0
+        assert peers.held == {"frozen": address}
+        await peers.close()
 
 
 @pytest.mark.timeout(30)

@@ -166,6 +166,11 @@ class StagePeers:
         except grpc.aio.AioRpcError as e:
             await self._failed(peer_id, address, e)
             return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            return None  # the call was cancelled, not we (its channel closed): the peer did not take it
 
     async def probe(self, peer_id: str) -> bool:
         """Whether a live peer of the stage answers an Info call within the peer timeout. One that does not is dropped

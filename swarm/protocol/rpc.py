@@ -27,6 +27,7 @@ PROTOCOL_VERSION = 6  # 3: signed Progress, records under owner subkeys; 4: piec
 # 5: stage 0 signs its admissions (CallMeta.admitted_by, admission_signature); 6: stage 0 peers claim their share of a
 # global batch and the answer carries the receiver's admissions (StageProgress.claims, ProgressAck.admitted)
 CHUNK_BYTES = 2 << 20
+DROP_GRACE_S = 120.0  # a dropped channel's calls in flight end on their own deadlines, within this at most
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES),
     ("grpc.max_receive_message_length", 2 * CHUNK_BYTES),
@@ -84,7 +85,7 @@ class Channels:
 
     def __init__(self, p2p: Callable[[], Awaitable] | None = None) -> None:
         self._open: dict[str, tuple[str, grpc.aio.Channel, StageStub]] = {}
-        self._closing: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
+        self._draining: dict[asyncio.Task, grpc.aio.Channel] = {}  # dropped channels, each closed by its task
         self._p2p = p2p
         self._p2p_stubs: dict[str, P2PStub] = {}
 
@@ -100,10 +101,8 @@ class Channels:
         cert = PINS.get(address, "")
         held = self._open.get(address)
         if held is None or held[0] != cert:
-            if held is not None:  # its calls fail; the replacement trusts the new certificate
-                task = asyncio.get_running_loop().create_task(held[1].close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+            if held is not None:  # the replacement trusts the new certificate
+                self._retire(held[1])
             channel = aio_channel(address, cert)
             held = self._open[address] = (cert, channel, StageStub(channel))
         return held[2]
@@ -112,14 +111,37 @@ class Channels:
         return set(self._open) | set(self._p2p_stubs)
 
     async def drop(self, address: str) -> None:
+        """Forget `address`'s channel: the next call opens a new one. Calls still in flight on it end on their own
+        deadlines. Closing it at once would cancel them, and a cancelled grpc.aio call raises CancelledError in its
+        caller as if the caller itself were cancelled: a server's Backward waiting for its Progress to a frozen peer
+        died that way when another Progress to that peer dropped it, and the trainer heard nothing until its own
+        deadline (10 s of a soak's stall)."""
         self._p2p_stubs.pop(address, None)
         held = self._open.pop(address, None)
         if held is not None:
-            await held[1].close()
+            self._retire(held[1])
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """Close `channel` DROP_GRACE_S from now, or at `close`. (Not grpc's `close(grace)`: a second `close` while
+        that waits does nothing, so `close` could not end the calls at once.)"""
+
+        async def later() -> None:
+            await asyncio.sleep(DROP_GRACE_S)
+            await channel.close()
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._draining[task] = channel  # referenced until done (the loop keeps only weak references)
+        task.add_done_callback(lambda done: self._draining.pop(done, None))
 
     async def close(self) -> None:
-        for address in list(self._open):
-            await self.drop(address)
+        """Every channel, and the calls still in flight on them, at once."""
+        self._p2p_stubs.clear()
+        channels = [channel for _, channel, _ in self._open.values()] + list(self._draining.values())
+        self._open.clear()
+        for task in list(self._draining):
+            task.cancel()
+        for channel in channels:
+            await channel.close()
 
 
 class StageStub:

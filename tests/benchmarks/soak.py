@@ -6,6 +6,7 @@ digests, read through Info once training has stopped). Not part of CI: it runs f
 
     python -m tests.benchmarks.soak                     # 6 minutes, a fault every 30 s
     python -m tests.benchmarks.soak --minutes 2 --period 20
+    python -m tests.benchmarks.soak --faults kill:s1-r0,freeze:s1-r1   # these faults, in this order, then stop
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ def main() -> None:
     p.add_argument("--restart-s", type=float, default=10.0, help="how long a killed server stays dead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples-per-step", type=int, default=16)
+    p.add_argument(
+        "--faults",
+        default="",
+        help="a fixed schedule instead of the seeded one: comma-separated kill:sS-rR or freeze:sS-rR, one per period",
+    )
     p.add_argument("--server-flags", default="", help="more swarm-server flags, e.g. '--no-fixed-groups'")
     args = p.parse_args()
     common.exit_on_sigterm()
     rng = random.Random(args.seed)
     names = [f"server-s{s}-r{r}" for s in range(STAGES) for r in range(PER_STAGE)]
+    schedule = [fault.split(":") for fault in args.faults.split(",") if fault]
+    for fault in schedule:
+        if len(fault) != 2 or fault[0] not in ("kill", "freeze") or f"server-{fault[1]}" not in names:
+            p.error(f"--faults: {':'.join(fault)!r} is not kill:sS-rR or freeze:sS-rR (S < {STAGES}, R < {PER_STAGE})")
+    if schedule:
+        args.minutes = (len(schedule) + 1) * args.period / 60  # a whole period after the last fault
     ports = {name: common.free_port() for name in names}
     addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     with new_swarm(args.out, "soak") as swarm:
@@ -99,9 +111,12 @@ def main() -> None:
             if now >= next_fault and now - started < args.minutes * 60:
                 next_fault = now + args.period
                 candidates = [n for n in names if int(n.split("-s")[1][0]) not in down]
+                if schedule:
+                    action, server = schedule.pop(0)
+                    candidates = [n for n in candidates if n == f"server-{server}"]
                 if candidates:
                     name = rng.choice(candidates)
-                    kill = rng.random() < 0.5
+                    kill = action == "kill" if args.faults else rng.random() < 0.5
                     child = swarm.children[name]
                     if kill:
                         child.signal_group(signal.SIGKILL)
