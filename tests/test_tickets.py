@@ -161,6 +161,39 @@ async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refus
         assert worker.samples_processed == done + B
 
 
+async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():
+    """On stage 0 the admission's signer is a peer of the same stage, at the admission's epoch when it signed. A
+    stage-0 peer two epochs behind it refuses that Backward (UNAVAILABLE, nothing computed) even before any Progress
+    told it that its peer is ahead. Before, a peer thawed after a freeze took such a Backward as "the whole stage is
+    behind", skipped to the admission's epoch, and lost the gradient when it then caught up from its peer: stage 0
+    waited --admission-timeout (30 s) for samples that had come back and been dropped. An admission it signed itself
+    keeps the old rule: nobody is ahead to catch up from, so it skips."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(signer := await start_server(initial_peers, stage=0))
+        servers.append(behind := await start_server(initial_peers, stage=0))
+        servers.append(await start_server(initial_peers, stage=1))
+        worker = behind.service.worker
+        epoch, done = worker.epoch, worker.samples_processed
+        assert (behind.collab.peers.furthest() or epoch) <= epoch  # its view: nobody ahead
+
+        def stage_zero_backward(ticket: Admission, microbatch_id: str) -> list[bytes]:
+            tokens, _ = random_batch(MODEL, B)
+            none = get_codec("none")
+            grad = encode_tensor("grad_outputs", torch.randn(B, T, D) * 1e-3, none)
+            meta = meta_of(ticket, microbatch_id, stage=0)
+            return list(iter_frames(meta, [encode_tensor("inputs", tokens, none), grad]))
+
+        ahead = signed_by(signer.sdht.identity, "mb-z1", epoch + 3, epoch + 3)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await raw_call(behind.record().address, "Backward", stage_zero_backward(ahead, "mb-z1"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "behind: stage 0" in refused.value.details()
+        assert worker.samples_processed == done and worker.epoch == epoch
+
+        own = signed_by(behind.sdht.identity, "mb-z2", epoch + 3, epoch + 3)
+        await raw_call(behind.record().address, "Backward", stage_zero_backward(own, "mb-z2"))
+        assert worker.samples_processed == done + B and worker.epoch == epoch + 3
+
+
 async def test_a_delayed_stage_whose_round_is_slow_holds_calls_two_epochs_ahead_until_it_has_stepped():
     """With delayed steps a stage accumulates epoch e + 1 while its round of epoch e runs. A call admitted at e + 2
     means stage 0 is past e + 1 too: it waits for the step (and answers UNAVAILABLE "behind" if its deadline comes
