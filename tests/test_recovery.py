@@ -189,10 +189,11 @@ def test_with_delayed_steps_a_round_is_over_once_every_peer_says_it_averaged_tha
     assert peers.round_over(6, delayed=False) and not peers.round_over(8, delayed=False)
 
 
-def test_a_peer_two_epochs_behind_is_left_out_of_the_round():
+def test_a_peer_two_epochs_behind_or_copying_a_state_is_left_out_of_the_round():
     """A peer that reported an epoch two or more before the round's catches up by copying a state; the round does not
     wait for it (a restarted peer that had loaded an older state held a delayed round until its timeout). A peer one
-    epoch behind may still end that epoch and come: it stays in the group, as does a peer that said nothing yet."""
+    epoch behind may still end that epoch and come: it stays in the group, as does a peer that said nothing yet,
+    unless it says it is copying a state."""
     peers = StagePeers(SimpleNamespace(peer_id="d", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
     peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2", "c": "127.0.0.1:3", "e": "127.0.0.1:4"}
     peers.p2p_ids = {"a": "QmA", "b": "QmB", "c": "QmC", "e": "QmE"}
@@ -201,6 +202,14 @@ def test_a_peer_two_epochs_behind_is_left_out_of_the_round():
     peers.record(pb.StageProgress(peer_id="c", epoch=205))  # restarted, loaded an older state
     assert peers.group_size(207) == 4 and sorted(peers.group_p2p_ids(207) or []) == ["QmA", "QmB", "QmE"]
     peers.record(pb.StageProgress(peer_id="c", epoch=208))  # caught up
+    assert peers.group_size(207) == 5
+    # a peer copying a state joins no round, even one epoch behind: a restarted peer at 206 that found the stage at
+    # 208 downloaded again and again while our round waited for it, and we share no state until it ends
+    peers.record(pb.StageProgress(peer_id="b", epoch=206, recovering=True))
+    assert peers.group_size(207) == 4 and "b" not in peers.group(207)
+    peers.record(pb.StageProgress(peer_id="b", epoch=205, recovering=False))  # an older message, late: ignored
+    assert "b" not in peers.group(207)
+    peers.record(pb.StageProgress(peer_id="b", epoch=207))  # copied: it accumulates again
     assert peers.group_size(207) == 5
 
 

@@ -342,6 +342,7 @@ class StageCollaboration:
             not self.admitting,
             lineage=lineage,
             averaged=self._averaged,
+            recovering=self.phase is Phase.RECOVERING,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
@@ -704,10 +705,17 @@ class StageCollaboration:
             round_tag=epoch,
             finished_without_us=lambda: self.peers.round_over(epoch, delayed=not wait_for_peers),
             retry_grace=self.averaging_cfg.matchmaking_time / 2,
-            nobody_left=lambda: not self.peers.peers,
+            nobody_left=lambda: not self.peers.group(epoch),
             group_size=n_peers,
             group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
         )
+        if averaged is None and not self.peers.group(epoch) and self.peers.recovering:
+            # the peers it waited for said meanwhile that they are copying a state (ours, once we share it): none of
+            # them steps on this epoch, so our step is the stage's, as a lone step would have been
+            logger.info(
+                "stage %d epoch %d: the stage's other peers are copying its state; stepping alone", self.stage, epoch
+            )
+            averaged = grads
         if averaged is not None:
             self._averaged = epoch  # an int, written once by this thread: our next Progress carries it
         return averaged
@@ -770,6 +778,7 @@ class StageCollaboration:
             source[-6:],
         )
         self.phase = Phase.RECOVERING
+        self._spawn(self._broadcast(end_epoch=False))  # our peers leave us out of their rounds meanwhile
         try:
             # a peer that diverged copies one at its own epoch: what it accumulated towards that epoch stays. Dropped,
             # those samples were missing from a count its peers had already added up: the epoch waited for them until
@@ -779,4 +788,5 @@ class StageCollaboration:
         finally:
             if self.phase is Phase.RECOVERING:
                 self.phase = Phase.ACCUMULATING
+                self._spawn(self._broadcast(end_epoch=False))
             self._admission.set()

@@ -32,6 +32,7 @@ class StagePeers:
         self.address = ""  # our own host:port, set by the server once gRPC is bound
         self.peers: dict[str, str] = {}  # the stage's other live peers: peer id -> gRPC address
         self.view: dict[str, tuple[int, int]] = {}  # their latest progress: peer id -> (epoch, samples)
+        self.recovering: set[str] = set()  # peers whose latest progress says they are copying the stage's state
         self.lineages: dict[str, tuple[int, str]] = {}  # their parameters' lineage: peer id -> (epoch, lineage)
         self.averaged: dict[str, int] = {}  # the last epoch whose stage round ended for them: peer id -> epoch
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
@@ -88,6 +89,10 @@ class StagePeers:
             self.view[msg.peer_id] = progress
             if msg.lineage:
                 self.lineages[msg.peer_id] = int(msg.epoch), msg.lineage
+            if msg.recovering:
+                self.recovering.add(msg.peer_id)
+            else:
+                self.recovering.discard(msg.peer_id)
         if msg.HasField("averaged"):
             self.averaged[msg.peer_id] = max(self.averaged.get(msg.peer_id, -1), int(msg.averaged))
         if msg.stopped_admitting:
@@ -125,6 +130,7 @@ class StagePeers:
         self.view = {p: v for p, v in self.view.items() if p in self.peers}
         self.lineages = {p: v for p, v in self.lineages.items() if p in self.peers}
         self.averaged = {p: e for p, e in self.averaged.items() if p in self.peers}
+        self.recovering &= set(self.peers)
 
     async def broadcast(
         self,
@@ -136,9 +142,10 @@ class StagePeers:
         claims: bool = False,
         lineage: str = "",
         averaged: int | None = None,
+        recovering: bool = False,
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
-        last epoch whose stage round ended for us (None: none yet)."""
+        last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state."""
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -154,6 +161,7 @@ class StagePeers:
             claims=claims,
             lineage=lineage,
             averaged=averaged,
+            recovering=recovering,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         peers = list(self.peers.items())
@@ -266,20 +274,22 @@ class StagePeers:
 
     def group_size(self, epoch: int) -> int:
         """Us and every peer we know of, or that reported `epoch`, except those that reported an epoch before
-        `epoch - 1`: a peer that far behind copies a state instead of joining the round. In it, it held the round
-        until --averaging-timeout: a restarted peer that had loaded an older state waited to copy ours, and with delayed
-        steps we share none until our round ends (stalls of 10 s after each restart in the delayed soak)."""
-        return 1 + len(self._group(epoch))
+        `epoch - 1` or that say they are copying a state: such a peer copies a state instead of joining the round. In
+        it, it held the round until --averaging-timeout: a restarted peer that had loaded an older state waited to
+        copy ours, and with delayed steps we share none until our round ends (stalls of 10 s after each restart in the
+        delayed soak)."""
+        return 1 + len(self.group(epoch))
 
-    def _group(self, epoch: int) -> set[str]:
+    def group(self, epoch: int) -> set[str]:
+        """The peers `group_size` counts, us aside."""
         view = dict(self.view)
-        behind = {p for p, (e, _) in view.items() if e < epoch - 1}
-        return (set(self.peers) - behind) | {p for p, (e, _) in view.items() if e == epoch}
+        behind = {p for p, (e, _) in view.items() if e < epoch - 1} | self.recovering
+        return (set(self.peers) - behind) | {p for p, (e, _) in view.items() if e == epoch and p not in behind}
 
     def group_p2p_ids(self, epoch: int) -> list[str] | None:
         """The libp2p ids of the peers `group_size` counts (us aside), or None if a record has not told us one."""
         p2p_ids = dict(self.p2p_ids)
-        ids = [p2p_ids.get(p, "") for p in self._group(epoch)]
+        ids = [p2p_ids.get(p, "") for p in self.group(epoch)]
         return ids if all(ids) else None
 
     def counts_of(self, epoch: int) -> dict[str, int]:

@@ -176,7 +176,7 @@ class Traffic(_message.Message):
     def __init__(self, role: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class StageProgress(_message.Message):
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     AVERAGED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -207,7 +208,8 @@ class StageProgress(_message.Message):
     claims: bool
     lineage: str
     averaged: int
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ...) -> None: ...
+    recovering: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ("epoch", "admitted", "admitted_next")
