@@ -40,6 +40,7 @@ from swarm.protocol.rpc import SERVICE, start_stage_server
 from swarm.protocol.tls import ServerTls
 
 logger = logging.getLogger("swarm.server")
+MAX_ANNOUNCES_IN_FLIGHT = 3  # announces still landing (announce_forever): the oldest has waited 3 periods
 MOVE_GRACE_S = 15.0  # a move runs longer than its drains plus this: log what it waits on (swarm/stacks.py)
 
 
@@ -191,8 +192,11 @@ class StageServer:
             )
 
     async def announce(self, ready: bool = True, stage: int | None = None) -> None:
+        await self._store(self.record(ready, stage))
+
+    async def _store(self, record: ServerRecord) -> None:
         try:
-            await self.sdht.announce(self.record(ready, stage), self.cfg.network.record_ttl)
+            await self.sdht.announce(record, self.cfg.network.record_ttl)
         except Exception as e:  # the DHT may be briefly unreachable; the next period retries
             logger.warning("announce failed: %r", e)
 
@@ -333,28 +337,45 @@ class StageServer:
 
     async def announce_forever(self, stop: asyncio.Event, rebalancing: bool) -> None:
         """Keep our DHT record fresh (while moving: the record that commits our capacity to the destination), and
-        log the stage's state. With rebalancing, the rebalancer takes the load snapshots, once per period."""
-        while not await sleep_unless(stop, self.cfg.network.announce_period):
-            if self.state is PeerState.MOVING:
-                await self.announce(ready=False, stage=self.destination)
-                continue
-            if not rebalancing:
-                self.take_snapshot()
-            await self.announce()
-            w = self.worker
-            logger.info(
-                "stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
-                "queue %d, rejected %d, all-reduce %.2f MB (fp32 %.2f MB)",
-                self.stage,
-                w.epoch,
-                w.samples_processed,
-                w.throughput,
-                self.load.demand,
-                w.queue_length,
-                self.service.requests_rejected,
-                self.collab.allreduce_bytes / 1e6,
-                self.collab.allreduce_fp32_bytes / 1e6,
-            )
+        log the stage's state. With rebalancing, the rebalancer takes the load snapshots, once per period.
+
+        One announce every period, whether the last ones have landed or not (up to MAX_ANNOUNCES_IN_FLIGHT): while a
+        peer's DHT node is frozen a store waits for it, 6-9 s each in the kill/freeze soak, and one after the other
+        they left gaps longer than the record's lifetime, in which trainers found healthy stages empty. Each store
+        carries the expiration of its own start, and the DHT keeps the latest."""
+        announcing: set[asyncio.Task] = set()
+        try:
+            while not await sleep_unless(stop, self.cfg.network.announce_period):
+                announcing = {task for task in announcing if not task.done()}
+                moving = self.state is PeerState.MOVING
+                if not moving and not rebalancing:
+                    self.take_snapshot()
+                if len(announcing) < MAX_ANNOUNCES_IN_FLIGHT:
+                    # the record is read now, in this order: a later store never carries an older record
+                    record = self.record(False, self.destination) if moving else self.record()
+                    announcing.add(asyncio.create_task(self._store(record)))
+                if not moving:
+                    self._log_status()
+        finally:
+            for task in announcing:
+                task.cancel()
+            await asyncio.gather(*announcing, return_exceptions=True)
+
+    def _log_status(self) -> None:
+        w = self.worker
+        logger.info(
+            "stage %d: epoch %d, %d samples, %.1f samples/s capacity, %.1f sent (last snapshot), "
+            "queue %d, rejected %d, all-reduce %.2f MB (fp32 %.2f MB)",
+            self.stage,
+            w.epoch,
+            w.samples_processed,
+            w.throughput,
+            self.load.demand,
+            w.queue_length,
+            self.service.requests_rejected,
+            self.collab.allreduce_bytes / 1e6,
+            self.collab.allreduce_fp32_bytes / 1e6,
+        )
 
     async def checkpoint_forever(self, stop: asyncio.Event, directory: str) -> None:
         while not await sleep_unless(stop, self.cfg.checkpoint.checkpoint_period):

@@ -4,6 +4,7 @@ The whole behaviour runs in tests/test_integration.py (`frozen_one`: a server SI
 """
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -23,11 +24,14 @@ from server.collab.averaging import GradientAveraging
 from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
+from server.stage_server import MAX_ANNOUNCES_IN_FLIGHT, PeerState, StageServer
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, StageStub, aio_channel
 from tests.conftest import free_port
 from tests.peers import stage_servers, start_server, wait_for_async
 from tests.stages import hanging_stage_server
+from trainer.routing import StageRouter
+from trainer.trainer import MAX_LOOKUPS_IN_FLIGHT, Trainer
 
 
 class ListingDHT:
@@ -169,3 +173,76 @@ async def test_a_call_to_a_frozen_process_fails_within_the_keepalive_not_its_dea
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
         server.wait(10)
+
+
+class SlowDHT:
+    """A DHT whose every store and lookup takes `delay` seconds, as while a peer's DHT node is frozen (6-9 s each in
+    the kill/freeze soak). Records what each store carried and when each call began."""
+
+    def __init__(self, delay: float):
+        self.delay, self.stored, self.looked_up = delay, [], []
+        self.in_flight = self.most_in_flight = 0
+
+    async def _wait(self) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.in_flight -= 1
+
+    async def announce(self, record: ServerRecord, ttl: float) -> bool:
+        self.stored.append(record.port)
+        await self._wait()
+        return True
+
+    async def lookup(self, stage: int) -> list[PeerEntry]:
+        self.looked_up.append(stage)
+        await self._wait()
+        return [PeerEntry("a", ServerRecord(host="127.0.0.1", port=1, stage=stage), time.time() + 20)]
+
+
+@pytest.mark.timeout(30)
+async def test_announces_and_lookups_that_a_frozen_dht_node_holds_do_not_hold_the_next_ones():
+    """A server announces every period and a trainer looks every stage up every period, whether the last ones came back
+    or not (a few at most in flight): one after the other, stores and lookups that each waited for a frozen peer's
+    DHT node left gaps longer than a record's lifetime, and trainers found healthy stages empty."""
+    dht, period = SlowDHT(delay=0.5), 0.1  # 5 periods per store or lookup
+    ports = iter(range(1000, 2000))
+    server = SimpleNamespace(
+        state=PeerState.SERVING,
+        destination=None,
+        cfg=SimpleNamespace(network=SimpleNamespace(announce_period=period, record_ttl=12.0)),
+        sdht=dht,
+        take_snapshot=lambda: None,
+        record=lambda ready=True, stage=None: ServerRecord(host="127.0.0.1", port=next(ports), stage=1),
+        _log_status=lambda: None,
+    )
+    server._store = functools.partial(StageServer._store, server)
+    stop = asyncio.Event()
+    announcing = asyncio.create_task(StageServer.announce_forever(server, stop, rebalancing=True))  # type: ignore[arg-type]
+    await asyncio.sleep(1.25)
+    stop.set()
+    await announcing
+    assert dht.most_in_flight == MAX_ANNOUNCES_IN_FLIGHT, "stores waited for each other, or too many ran"
+    assert len(dht.stored) > 3 and dht.stored == sorted(dht.stored)  # each read its record when it began
+    assert dht.in_flight == 0, "stores left running when the server stopped"
+
+    trainer = SimpleNamespace(
+        n_stages=2,
+        sdht=dht,
+        cfg=SimpleNamespace(discovery_period=period),
+        records=[{}, {}],
+        routers=[StageRouter(), StageRouter()],
+        peers_changed=asyncio.Event(),
+    )
+    dht.most_in_flight = 0
+    discovering = asyncio.create_task(Trainer._discover_forever(trainer))  # type: ignore[arg-type]
+    await asyncio.sleep(1.25)
+    discovering.cancel()
+    await asyncio.gather(discovering, return_exceptions=True)
+    assert dht.most_in_flight == 2 * MAX_LOOKUPS_IN_FLIGHT, "lookups waited for each other, or too many ran"
+    assert dht.in_flight == 0, "lookups left running when discovery stopped"
+    for stage in range(2):
+        assert dht.looked_up.count(stage) > 3
+        assert trainer.routers[stage].available == ["a"] and trainer.records[stage]["a"].stage == stage

@@ -39,6 +39,7 @@ from trainer.schedule import MicrobatchResult, train_microbatch
 logger = logging.getLogger("swarm.trainer")
 ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch
 BEHIND_RETRY_S = 0.5  # after every peer of a stage refused, one or more of them because it was catching up
+MAX_LOOKUPS_IN_FLIGHT = 3  # per stage (_discover_forever): the oldest has waited 3 discovery periods
 PROBE_S = 2.0  # a peer whose call timed out gets this long to answer Info: then it was busy (an all-reduce), not gone
 LOSS_WINDOW = 20  # microbatches averaged in the reported (recent) loss
 INITIAL_WINDOW = 5  # the first microbatches, all computed with (nearly) initial parameters
@@ -280,20 +281,40 @@ class Trainer:
         task.add_done_callback(self._probes.discard)
 
     async def _discover_forever(self) -> None:
-        while True:
-            # all stages at once: a DHT node that stopped answering (a frozen peer's) makes each lookup wait for it,
-            # and one at a time those waits added up until healthy stages' records expired in our view
-            found = await asyncio.gather(*map(self.sdht.lookup, range(self.n_stages)), return_exceptions=True)
-            for stage, entries in enumerate(found):
-                if isinstance(entries, BaseException):
-                    logger.warning("discovery of stage %d failed: %r", stage, entries)
-                    continue
-                if entries is None:  # nothing came back: keep the peers we know until their records expire
-                    continue
-                self.records[stage] = {e.peer_id: e.record for e in entries}
-                self.routers[stage].update_peers({e.peer_id: e.expiration for e in entries})
+        """Every period, a lookup of each stage, whether the last ones have come back or not (up to
+        MAX_LOOKUPS_IN_FLIGHT per stage); a result is applied unless a later lookup's came first. All stages at once,
+        and not one after the other: a DHT node that stopped answering (a frozen peer's) makes each lookup wait for
+        it, 6-9 s in the kill/freeze soak, and waits that added up left healthy stages' records expired in our view."""
+        launched, applied = [0] * self.n_stages, [0] * self.n_stages
+        in_flight: list[set[asyncio.Task]] = [set() for _ in range(self.n_stages)]
+
+        async def discover(stage: int, seq: int) -> None:
+            try:
+                entries = await self.sdht.lookup(stage)
+            except Exception as e:
+                logger.warning("discovery of stage %d failed: %r", stage, e)
+                return
+            # None: nothing came back; keep the peers we know until their records expire
+            if entries is None or seq < applied[stage]:
+                return
+            applied[stage] = seq
+            self.records[stage] = {e.peer_id: e.record for e in entries}
+            self.routers[stage].update_peers({e.peer_id: e.expiration for e in entries})
             self.peers_changed.set()
-            await asyncio.sleep(self.cfg.discovery_period)
+
+        try:
+            while True:
+                for stage in range(self.n_stages):
+                    in_flight[stage] = {task for task in in_flight[stage] if not task.done()}
+                    if len(in_flight[stage]) < MAX_LOOKUPS_IN_FLIGHT:
+                        launched[stage] += 1
+                        in_flight[stage].add(asyncio.create_task(discover(stage, launched[stage])))
+                await asyncio.sleep(self.cfg.discovery_period)
+        finally:
+            tasks = [task for tasks in in_flight for task in tasks]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _report_forever(self) -> None:
         last_log = time.monotonic()
