@@ -35,6 +35,7 @@ from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, r
 from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
 from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_checked, encode_tensor
+from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +355,7 @@ class StageService:
         except DeadlineExpired:
             refusal = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before computing; nothing computed"
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the caller went away (or the server stops)
+            if cancelled_here():  # the caller went away (or the server stops)
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug(
                         "%s of %s from %s: its caller went away after %.2fs, waiting for %s",

@@ -38,6 +38,7 @@ from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.reach import ReachResponder
 from swarm.protocol.rpc import SERVICE, start_stage_server
 from swarm.protocol.tls import ServerTls
+from swarm.tasks import Overlapping
 
 logger = logging.getLogger("swarm.server")
 MAX_ANNOUNCES_IN_FLIGHT = 3  # announces still landing (announce_forever): the oldest has waited 3 periods
@@ -343,23 +344,19 @@ class StageServer:
         peer's DHT node is frozen a store waits for it, 6-9 s each in the kill/freeze soak, and one after the other
         they left gaps longer than the record's lifetime, in which trainers found healthy stages empty. Each store
         carries the expiration of its own start, and the DHT keeps the latest."""
-        announcing: set[asyncio.Task] = set()
+        announcing = Overlapping(MAX_ANNOUNCES_IN_FLIGHT)
         try:
             while not await sleep_unless(stop, self.cfg.network.announce_period):
-                announcing = {task for task in announcing if not task.done()}
                 moving = self.state is PeerState.MOVING
                 if not moving and not rebalancing:
                     self.take_snapshot()
-                if len(announcing) < MAX_ANNOUNCES_IN_FLIGHT:
-                    # the record is read now, in this order: a later store never carries an older record
-                    record = self.record(False, self.destination) if moving else self.record()
-                    announcing.add(asyncio.create_task(self._store(record)))
+                # the record is read now, in this order: a later store never carries an older record
+                record = self.record(False, self.destination) if moving else self.record()
+                announcing.start(functools.partial(self._store, record))
                 if not moving:
                     self._log_status()
         finally:
-            for task in announcing:
-                task.cancel()
-            await asyncio.gather(*announcing, return_exceptions=True)
+            await announcing.close()
 
     def _log_status(self) -> None:
         w = self.worker

@@ -33,6 +33,13 @@ from swarm.compression import get_codec
 pytestmark = pytest.mark.timeout(120)
 
 
+def shut_down(averagers: list, dhts: list) -> None:
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+
+
 def run_round(
     averager_cls, codec: str, tensors: list[list[torch.Tensor]], robust_clip: float = 0.0, max_weight: float = 0.0
 ) -> list[list[torch.Tensor]]:
@@ -96,10 +103,7 @@ def _one_round(
                 out.append([t.clone() for t in got])
         return out
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+        shut_down(averagers, [*dhts, boot])
 
 
 @pytest.mark.parametrize("codec", ["none", "blockwise8"])
@@ -211,10 +215,7 @@ def fixed_group(prefix: str, values: list[torch.Tensor], **kwargs):
     try:
         yield peers, start, round_of
     finally:
-        for averager in peers:
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+        shut_down(peers, [*dhts, boot])
 
 
 def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer():
@@ -394,10 +395,7 @@ def test_a_stranger_under_the_prefix_never_joins_the_stage_round():
             with peer.get_tensors() as (got,):
                 assert torch.allclose(got, (a + 2 * b) / 3), got[:3]
     finally:
-        for averager in (*peers, stranger):
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+        shut_down([*peers, stranger], [*dhts, boot])
 
 
 def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_group_fails_alone():
@@ -473,10 +471,7 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
         assert not any(isinstance(r, dict) for r in results[:2]), results
         assert took < 4, f"a round waiting for a member that never came took {took:.1f}s"
     finally:
-        for averager in peers:
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+        shut_down(peers, [*dhts, boot])
 
 
 def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
@@ -506,10 +501,7 @@ def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
         assert torch.equal(got[1][0], torch.full((1000,), 1.0))
     finally:
         os.kill(b.pid, signal.SIGCONT)
-        for averager in (a, b):
-            averager.shutdown()
-        for dht in (*dhts, boot):
-            dht.shutdown()
+        shut_down([a, b], [*dhts, boot])
 
 
 async def test_a_state_declaration_that_fails_is_read_and_logged_not_left_to_asyncio(caplog):

@@ -153,6 +153,7 @@ class Fuzzer:
             claims=rng.random() < 0.3,
             lineage=rng.choice(["", "init", "0" * 16, "x" * 16, "l" * 5000]),
             averaged=rng.choice([None, 0, 1, -1, 2**62]),  # above its epoch, or negative: malformed
+            recovering=rng.random() < 0.3,
         )
         return "Progress", msg.SerializeToString()
 

@@ -29,6 +29,7 @@ from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
+from swarm.tasks import Overlapping
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.deadlines import CallDeadlines
@@ -286,7 +287,7 @@ class Trainer:
         and not one after the other: a DHT node that stopped answering (a frozen peer's) makes each lookup wait for
         it, 6-9 s in the kill/freeze soak, and waits that added up left healthy stages' records expired in our view."""
         launched, applied = [0] * self.n_stages, [0] * self.n_stages
-        in_flight: list[set[asyncio.Task]] = [set() for _ in range(self.n_stages)]
+        lookups = [Overlapping(MAX_LOOKUPS_IN_FLIGHT) for _ in range(self.n_stages)]
 
         async def discover(stage: int, seq: int) -> None:
             try:
@@ -305,16 +306,11 @@ class Trainer:
         try:
             while True:
                 for stage in range(self.n_stages):
-                    in_flight[stage] = {task for task in in_flight[stage] if not task.done()}
-                    if len(in_flight[stage]) < MAX_LOOKUPS_IN_FLIGHT:
+                    if lookups[stage].start(functools.partial(discover, stage, launched[stage] + 1)):
                         launched[stage] += 1
-                        in_flight[stage].add(asyncio.create_task(discover(stage, launched[stage])))
                 await asyncio.sleep(self.cfg.discovery_period)
         finally:
-            tasks = [task for tasks in in_flight for task in tasks]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(lookup.close() for lookup in lookups))
 
     async def _report_forever(self) -> None:
         last_log = time.monotonic()

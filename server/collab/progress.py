@@ -21,6 +21,7 @@ from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
+from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
 UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
@@ -172,11 +173,10 @@ class StagePeers:
         try:
             return await self._channels.stub(address).progress(msg, timeout=self.peer_timeout)
         except grpc.aio.AioRpcError as e:
-            await self._failed(peer_id, address, e)
+            self._failed(peer_id, address, e)
             return None
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():
+            if cancelled_here():
                 raise
             return None  # the call was cancelled, not we (its channel closed): the peer did not take it
 
@@ -191,26 +191,26 @@ class StagePeers:
             await self._channels.stub(address).info(pb.InfoRequest(), timeout=self.peer_timeout)
             return True
         except grpc.aio.AioRpcError as e:
-            return not await self._failed(peer_id, address, e)
+            return not self._failed(peer_id, address, e)
 
-    async def _failed(self, peer_id: str, address: str, e: grpc.aio.AioRpcError) -> bool:
+    def _failed(self, peer_id: str, address: str, e: grpc.aio.AioRpcError) -> bool:
         """A call to a stage peer failed: a dead or frozen peer is dropped (True), until the DHT lists it again."""
         if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
             logger.debug("stage peer %s does not list us yet", address)
             return False
         logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
         # only a peer we have heard from is held out: one that is starting may not serve gRPC yet
-        await self._drop(peer_id, address, hold=self.heard_from(peer_id))
+        self._drop(peer_id, address, hold=self.heard_from(peer_id))
         return True
 
-    async def _drop(self, peer_id: str, address: str, hold: bool) -> None:
+    def _drop(self, peer_id: str, address: str, hold: bool) -> None:
         """Leave a peer out of the group; `hold`: even while the DHT lists it, until it speaks again or
         UNREACHABLE_HOLD_S pass."""
         if self.peers.pop(peer_id, None) is not None and hold:
             self._unreachable[peer_id] = time.monotonic()
             self.held[peer_id] = address
         self.view.pop(peer_id, None)
-        await self._channels.drop(address)
+        self._channels.drop(address)
 
     def must_claim(self, epoch: int) -> bool:
         """Stage 0, before admitting towards `epoch`: whether some peer may not count us among the admitting peers
@@ -234,7 +234,7 @@ class StagePeers:
                 logger.info(
                     "stage peer %s refused our claim of global batch %d; dropping it from the group", address, epoch
                 )
-                await self._drop(peer_id, address, hold=True)
+                self._drop(peer_id, address, hold=True)
                 continue
             self._note_admitted(peer_id, epoch, int(ack.admitted), int(ack.admitted_next))
             self._claimed[peer_id] = max(self._claimed.get(peer_id, -2), epoch)

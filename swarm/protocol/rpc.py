@@ -110,7 +110,7 @@ class Channels:
     def addresses(self) -> set[str]:
         return set(self._open) | set(self._p2p_stubs)
 
-    async def drop(self, address: str) -> None:
+    def drop(self, address: str) -> None:
         """Forget `address`'s channel: the next call opens a new one. Calls still in flight on it end on their own
         deadlines. Closing it at once would cancel them, and a cancelled grpc.aio call raises CancelledError in its
         caller as if the caller itself were cancelled: a server's Backward waiting for its Progress to a frozen peer

@@ -282,7 +282,7 @@ class Monitor:
         peers = [peer_view(e, info) for e, info in zip(entries, infos, strict=True)]
         self.view.update(time.monotonic(), n_stages, peers)
         for address in self._channels.addresses() - {e.record.address for e in entries}:
-            await self._channels.drop(address)
+            self._channels.drop(address)
 
     async def _n_stages(self) -> int:
         """From the model settings in stage 0's records (what the servers announce), else as last seen."""
