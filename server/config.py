@@ -147,8 +147,9 @@ class GuardConfig:
     max_buffered_mb: float = field(
         default=0.0,
         metadata={
-            "help": "request payload held at once, in MiB, across all calls; more gets RESOURCE_EXHAUSTED (0: 4 x the "
-            "stage's largest request, at least 64)"
+            "help": "request payload held at once, in MiB, across all calls, counting a frame's worth (up to 2 MiB) for "
+            "each request being read; more gets RESOURCE_EXHAUSTED (0: 4 x the stage's largest request and a frame, "
+            "at least 64)"
         },
     )
     max_caller_share: float = field(

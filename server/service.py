@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -31,6 +30,7 @@ from swarm.compression.memory import ErrorMemory
 from swarm.compression.policy import role_of
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.drain import Drains
 from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, read_call
 from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
@@ -87,6 +87,7 @@ MAX_READ_S = 120.0  # the longest a request may take to arrive
 # the longest a request may go without a frame (a chunk of CHUNK_BYTES: 2 MiB arrive in 30 s at 0.6 Mb/s)
 IDLE_READ_S = 30.0
 DRAIN_S = 5.0  # the longest a refused request is read on
+DRAINING = 4  # refused requests read on at once (swarm.protocol.drain)
 MAX_STATUS_CHARS = 500  # status details travel in HTTP/2 trailers: a caller's oversized input must not make them fail
 LOSS_WINDOW = 20  # backwards averaged in the last stage's reported (recent) loss
 
@@ -175,6 +176,7 @@ class StageService:
         self.worker, self.schema, self.collab = worker, schema, collab
         self.guard = guard or GuardConfig()
         self.budget = ByteBudget(self._budget_bytes(), self.guard.max_caller_share)
+        self.drains = Drains(DRAINING)
         self.calls_by_caller: dict[str, int] = {}
         self.replies = ReplyCache(max(self.budget.limit // 4, 8 << 20))
         self._jobs: set[asyncio.Future] = set()  # Backwards computing (asyncio keeps only weak references to tasks)
@@ -208,7 +210,7 @@ class StageService:
     def _budget_bytes(self) -> int:
         if self.guard.max_buffered_mb > 0:
             return int(self.guard.max_buffered_mb * 2**20)
-        return max(4 * self.schema.max_request_bytes, 64 << 20)
+        return max(4 * (self.schema.max_request_bytes + self.schema.backward_limits.frame_bytes), 64 << 20)
 
     def pause(self, reason: str) -> None:
         """Turn new Forward/Backward calls away with UNAVAILABLE: trainers retry them on another peer of the stage.
@@ -311,7 +313,12 @@ class StageService:
         reply: list[bytes] | None = None
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
-            call = await self._read(raw_frames, limits, deadline, caller)
+
+            def precheck(meta: pb.CallMeta) -> None:  # refused before its payload is read
+                if not (self.schema.is_first and not backward and not meta.inference):  # calls `observe` will check
+                    collab.precheck(meta, backward)
+
+            call = await self._read(raw_frames, limits, deadline, caller, precheck)
             ticket = None
             n = self._samples(call)
             where = "admission" if self.schema.is_first and not backward else "its epoch (observe)"
@@ -464,36 +471,34 @@ class StageService:
             raise
 
     async def _read(
-        self, raw_frames: AsyncIterator[bytes], limits: Limits, deadline: float | None, caller: str
+        self,
+        raw_frames: AsyncIterator[bytes],
+        limits: Limits,
+        deadline: float | None,
+        caller: str,
+        on_meta: Callable[[pb.CallMeta], None] | None = None,
     ) -> Call:
         """The request (swarm.protocol.frames parses the raw frames, one payload copy). A caller that sets no deadline,
         or sends a header and then nothing, holds the call for `max_read_s` at most, and IDLE_READ_S without a frame.
         A request refused while its caller is still sending is read on (up to about its legitimate size) so that the
-        caller gets the reason, not a failed write."""
+        caller gets the reason, not a failed write; DRAINING at a time, beyond that it is ended unread."""
         read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())
         started = time.monotonic()
         try:
-            reading = read_call(raw_frames, limits, self.budget, caller, idle_timeout=IDLE_READ_S)
+            reading = read_call(raw_frames, limits, self.budget, caller, idle_timeout=IDLE_READ_S, on_meta=on_meta)
             return await asyncio.wait_for(reading, read_for)
         except TimeoutError:
             raise DeadlineExpired from None
-        except (WireError, Busy) as e:
+        except (WireError, Busy, TicketRefused) as e:
             # asyncio's wait_for keeps the exception in a task its frame refers to: drop the traceback (the reader's
             # frames and the payload they hold) so that nothing but the garbage collector would free them
             e.with_traceback(None)
-            budget = 2 * limits.max_tensor_bytes + CHUNK_BYTES
-
-            async def drain() -> None:
-                nonlocal budget
-                async for frame in raw_frames:
-                    budget -= len(frame)
-                    self.budget.arrived += len(frame)
-                    if budget < 0:
-                        return
-
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(drain(), max(0.0, min(read_for - (time.monotonic() - started), DRAIN_S)))
+            seconds = min(read_for - (time.monotonic() - started), DRAIN_S)
+            await self.drains.drain(raw_frames, 2 * limits.max_tensor_bytes + CHUNK_BYTES, seconds, self._arrived)
             raise
+
+    def _arrived(self, n: int) -> None:
+        self.budget.arrived += n
 
     @staticmethod
     def _reply_codec(meta: pb.CallMeta, backward: bool) -> Codec:

@@ -279,7 +279,7 @@ def test_guard_flags_are_validated():
 
 async def test_a_flood_gets_resource_exhausted_and_holds_no_more_than_the_budget():
     """40 concurrent Forwards that pause halfway through their payload, against a server that holds 3 requests' bytes
-    and 8 calls: the excess is turned away with RESOURCE_EXHAUSTED ("busy"), the bytes held never exceed the budget
+    (each with the frame it reads next) and 8 calls: the excess is turned away with RESOURCE_EXHAUSTED ("busy"), the bytes held never exceed the budget
     and are all given back, and the server then serves as before."""
     cfg = tiny_test()
     B, T, D = 4, cfg.max_seq_len, cfg.d_model
@@ -289,7 +289,7 @@ async def test_a_flood_gets_resource_exhausted_and_holds_no_more_than_the_budget
     chunks = list(iter_frames(meta, [encoded], chunk_bytes=len(encoded.payload) // 2))
     async with InProcessStages(cfg, stages=[1], max_batch=B) as stages:
         service = stages.services[1]
-        service.budget.limit = 3 * len(encoded.payload)
+        service.budget.limit = 3 * (len(encoded.payload) + service.schema.forward_limits.frame_bytes)  # + reading
         service.budget.caller_share = 1.0  # every call here comes from one address (tests/test_wire.py: per caller)
         service.guard = dataclasses.replace(service.guard, max_active_calls=8)
         peak = 0
@@ -325,7 +325,7 @@ def test_read_call_gives_back_what_it_took_when_a_stream_fails():
     encoded = encode_tensor("inputs", torch.randn(64, 64), get_codec("none"))
     meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, stage=1)
     chunks = list(iter_frames(meta, [encoded], chunk_bytes=1024))
-    limits = Limits(1 << 20, frozenset({"inputs"}))
+    limits = Limits(len(encoded.payload), frozenset({"inputs"}))
 
     async def stream(parts):
         for part in parts:
@@ -335,8 +335,8 @@ def test_read_call_gives_back_what_it_took_when_a_stream_fails():
     with pytest.raises(WireError):
         asyncio.run(read_call(stream(chunks[:-1]), limits, budget))  # one chunk short
     assert budget.used == 0
-    with pytest.raises(Busy):
-        asyncio.run(read_call(stream(chunks), limits, ByteBudget(4096)))
+    with pytest.raises(Busy):  # room for the frame being read and 4 chunks of payload
+        asyncio.run(read_call(stream(chunks), limits, ByteBudget(limits.frame_bytes + 4096)))
     call = asyncio.run(read_call(stream(chunks), limits, budget))
     assert call.reserved == budget.used == len(encoded.payload)
 
@@ -353,7 +353,8 @@ async def test_refused_calls_leave_no_garbage_cycle_holding_their_payload():
     malformed = [*chunks[:-1], chunks[-1][:-7]]
     async with InProcessStages(cfg, stages=[1], max_batch=B) as stages:
         service = stages.services[1]
-        service.budget.limit = len(encoded.payload)  # one request at a time: the rest are refused while sending
+        # one request at a time (with the frame it reads next): the rest are refused while sending
+        service.budget.limit = len(encoded.payload) + service.schema.forward_limits.frame_bytes
         service.budget.caller_share = 1.0
 
         async def one(channel, stream: list[bytes]) -> None:

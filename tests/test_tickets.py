@@ -14,11 +14,11 @@ import torch
 
 from dht.identity import Identity
 from server.collab.tickets import READ_INTERVAL_S, TicketRefused, Tickets, TicketUnchecked, ticket_bytes
-from server.service import ReplyCache
+from server.service import DRAIN_S, ReplyCache
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
-from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, aio_channel
 from swarm.protocol.tensors import WireStats, encode_tensor
 from tests.peers import MODEL, meet, stage_servers, start_server, wait_for_async
 from tests.stages import random_batch, raw_call
@@ -66,6 +66,18 @@ def signed_by(identity: Identity, microbatch_id: str, global_batch: int, admitte
     return Admission(global_batch, admitted_at, identity.peer_id, signature)
 
 
+async def stalled_call(address: str, method: str, first: bytes, timeout: float) -> None:
+    """A call that sends its first frame and then nothing until its deadline."""
+
+    async def requests():
+        yield first
+        await asyncio.sleep(timeout + 5)
+
+    async with aio_channel(address) as channel:
+        async for _ in channel.stream_stream(f"/{SERVICE}/{method}")(requests(), timeout=timeout):
+            pass
+
+
 async def test_only_stage_zeros_signed_admissions_move_a_stage():
     async with stage_servers() as (initial_peers, servers):
         first = await start_server(initial_peers, stage=0)
@@ -100,6 +112,15 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
                     await raw_call(last.record().address, "Backward", last_stage_backward(meta))
                 assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
                 assert len(refused.value.details() or "") < 600, what
+            # refused on its first frame, its payload unread: a Backward without an admission that then sends nothing
+            # more ends with the reason after the server's drain of it (DRAIN_S), not at its deadline
+            arrived, started = last.service.budget.arrived, time.monotonic()
+            unsigned = last_stage_backward(meta_of(ticket, global_batch=None, admitted_at=None))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stalled_call(last.record().address, "Backward", unsigned[0], timeout=25)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "admission" in refused.value.details()
+            assert time.monotonic() - started < DRAIN_S + 5 and last.service.budget.arrived == arrived
+
             with pytest.raises(grpc.aio.AioRpcError) as refused:  # the ticket names 2 samples
                 await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket), batch=1))
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.drain import Drains
 from swarm.protocol.frames import (
     Busy,
     ByteBudget,
@@ -235,7 +236,7 @@ def test_a_stream_that_goes_quiet_ends_at_its_idle_timeout_and_gives_its_bytes_b
     limits = Limits(max_tensor_bytes=1 << 20, allowed_names=frozenset({"inputs"}))
     x = encode_tensor("inputs", torch.randn(100, 100), get_codec("none"))
     first = list(iter_frames(META, [x], chunk_bytes=1000))[:3]
-    budget = ByteBudget(limit=1 << 20)
+    budget = ByteBudget(limit=4 << 20)
 
     async def stalls():
         for frame in first:
@@ -248,6 +249,45 @@ def test_a_stream_that_goes_quiet_ends_at_its_idle_timeout_and_gives_its_bytes_b
     with pytest.raises(TimeoutError):
         asyncio.run(asyncio.wait_for(read(), 5))
     assert budget.used == 0 and budget.arrived == 3000
+
+
+def test_a_stream_being_read_holds_budget_for_its_next_frame():
+    """gRPC receives a stream's next message into memory once it is asked for: the budget counts that frame before it
+    is read, so that a flood of streams is refused instead of being read all at once."""
+    limits = Limits(max_tensor_bytes=1 << 20, allowed_names=frozenset({"inputs"}))
+    x = encode_tensor("inputs", torch.randn(100, 100), get_codec("none"))
+    budget = ByteBudget(limit=limits.frame_bytes + 5000)
+    held_while_asked: list[int] = []
+
+    async def watched():
+        for frame in iter_frames(META, [x], chunk_bytes=1000):
+            held_while_asked.append(budget.used)
+            yield frame
+
+    with pytest.raises(Busy):
+        asyncio.run(read_call(watched(), limits, budget))
+    # 6 chunks of 1000 bytes, each asked for with a frame's room held; no room for the 7th: it was never asked for
+    assert held_while_asked == [limits.frame_bytes + 1000 * i for i in range(6)]
+    assert budget.used == 0
+
+
+def test_at_most_so_many_refused_streams_are_drained_at_once():
+    drains, read = Drains(at_once=2), []
+
+    async def endless(i: int):
+        while True:
+            read.append(i)
+            yield b"x" * 10
+            await asyncio.sleep(0.01)
+
+    async def flood() -> float:
+        await asyncio.gather(*(drains.drain(endless(i), max_bytes=10**9, seconds=0.3) for i in range(5)))
+        started = asyncio.get_running_loop().time()
+        await drains.drain(endless(9), max_bytes=25, seconds=5)  # stops after 30 bytes, not after 5 s
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(flood()) < 1
+    assert set(read) == {0, 1, 9} and read.count(9) == 3 and drains.running == 0
 
 
 def test_call_meta_strings_and_signatures_are_bounded():

@@ -93,6 +93,11 @@ class Collaboration(Protocol):
         the call's (a monotonic time): a call that must wait for the stage's step waits no longer."""
         ...
 
+    def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
+        """As soon as a call's CallMeta arrives, before its payload is read: raises TicketRefused for an admission that
+        `observe` would refuse whatever the payload (a Backward without one, one not signed)."""
+        ...
+
     def release(self, batch: int, n: int) -> None:
         """Stage 0: an admitted microbatch of `n` samples failed before it was computed."""
         ...
@@ -166,6 +171,9 @@ class LocalSteps:
         on_spent: Callable[[], None] | None = None,
         deadline: float | None = None,
     ) -> None:
+        pass
+
+    def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
         pass
 
     def release(self, batch: int, n: int) -> None:

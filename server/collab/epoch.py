@@ -495,6 +495,9 @@ class StageCollaboration:
                 self.tickets.forget(meta)
             raise
 
+    def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
+        self.tickets.precheck(meta, backward)
+
     async def _observe(self, meta: pb.CallMeta, deadline: float | None) -> None:
         if self.phase is Phase.RECOVERING:
             raise Behind(f"behind: stage {self.stage}: this peer is copying the stage's state; try another peer")

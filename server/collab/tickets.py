@@ -65,6 +65,19 @@ def ticket_bytes(microbatch_id: str, samples: int, global_batch: int, admitted_a
     return f"swarm-admission/v{PROTOCOL_VERSION}\0{microbatch_id}\0{samples}\0{global_batch}\0{admitted_at}".encode()
 
 
+def _check_form(meta: pb.CallMeta, backward: bool) -> bool:
+    """-> whether `meta` carries an admission; raises TicketRefused for a Backward without one or one malformed."""
+    if not (meta.HasField("global_batch") or meta.HasField("admitted_at")):
+        if backward:
+            raise TicketRefused("a Backward needs stage 0's admission of its microbatch (CallMeta.global_batch)")
+        return False
+    if not (meta.HasField("global_batch") and meta.HasField("admitted_at")):
+        raise TicketRefused("admission: global_batch and admitted_at come together")
+    if not meta.admitted_by or not meta.admission_signature:
+        raise TicketRefused("admission: not signed (CallMeta.admitted_by, admission_signature)")
+    return True
+
+
 class Tickets:
     """Signs this peer's admissions (stage 0) and checks the tags of calls against stage 0's keys. Event loop."""
 
@@ -90,16 +103,18 @@ class Tickets:
             self.refused += 1
             raise
 
+    def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
+        """What `check` refuses from `meta` alone (raises TicketRefused): run on a call's first frame, so that such a
+        call is turned away before its payload is read."""
+        try:
+            _check_form(meta, backward)
+        except TicketRefused:
+            self.refused += 1
+            raise
+
     async def _check(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
-        tagged = meta.HasField("global_batch") or meta.HasField("admitted_at")
-        if not tagged:
-            if backward:
-                raise TicketRefused("a Backward needs stage 0's admission of its microbatch (CallMeta.global_batch)")
+        if not _check_form(meta, backward):
             return
-        if not (meta.HasField("global_batch") and meta.HasField("admitted_at")):
-            raise TicketRefused("admission: global_batch and admitted_at come together")
-        if not meta.admitted_by or not meta.admission_signature:
-            raise TicketRefused("admission: not signed (CallMeta.admitted_by, admission_signature)")
         key = self.signers.get(meta.admitted_by)
         read = True
         if key is None:

@@ -21,8 +21,6 @@ gRPC calls are not encrypted otherwise.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -34,6 +32,8 @@ from pathlib import Path
 
 import grpc
 
+from swarm.protocol.drain import Drains
+
 logger = logging.getLogger(__name__)
 KEY_BYTES = 32
 METADATA_KEY = "swarm-auth"
@@ -42,10 +42,9 @@ MAX_TOKEN_CHARS = 128
 MAX_NONCES = 500_000  # proofs remembered to refuse replays (~100 bytes each); beyond, calls are refused as busy
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # say only whether the server is up
 REFUSAL_LOG_INTERVAL_S = 10.0
-# A stream refused while its caller is still sending is read on (and dropped, unparsed) this long or this far, so that
-# the caller gets the reason instead of gRPC's "Internal error from Core" for a write that raced the abort; at most
-# DRAINING such streams at a time (beyond, refused at once).
-DRAIN_S, DRAIN_BYTES, DRAINING = 2.0, 16 << 20, 8
+# A stream refused while its caller is still sending is read on (and dropped, unparsed) this long or this far, at most
+# DRAINING such streams at a time (swarm.protocol.frames.Drains)
+DRAIN_S, DRAIN_BYTES, DRAINING = 2.0, 16 << 20, 4
 
 
 class SwarmKey:
@@ -195,7 +194,7 @@ class RequireSwarmKey(grpc.aio.ServerInterceptor):
     def __init__(self, key: SwarmKey):
         self.key = key
         self.refusals = Refusals()
-        self._draining = 0
+        self._drains = Drains(DRAINING)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -210,13 +209,8 @@ class RequireSwarmKey(grpc.aio.ServerInterceptor):
 
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.RpcMethodHandler:
         async def refuse(request, context: grpc.aio.ServicerContext):
-            if handler.request_streaming and self._draining < DRAINING:
-                self._draining += 1
-                try:
-                    with contextlib.suppress(TimeoutError, grpc.RpcError):
-                        await asyncio.wait_for(_drain(request), DRAIN_S)
-                finally:
-                    self._draining -= 1
+            if handler.request_streaming:
+                await self._drains.drain(request, DRAIN_BYTES, DRAIN_S)
             self.refusals.add(logger, "refused %s from %s: %s", method, context.peer()[:80], reason)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"private swarm {self.key.swarm_id}: {reason}")
 
@@ -228,12 +222,3 @@ class RequireSwarmKey(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-async def _drain(messages) -> None:
-    """Read and drop up to DRAIN_BYTES of a refused stream."""
-    left = DRAIN_BYTES
-    async for message in messages:
-        left -= len(message)
-        if left < 0:
-            return

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -135,6 +135,11 @@ class Limits:
     allowed_names: frozenset[str]
     max_ndim: int = 4
 
+    @property
+    def frame_bytes(self) -> int:
+        """The most payload one frame of such a call carries: a chunk, or a whole tensor's (_check_header's bound)."""
+        return min(CHUNK_BYTES, 2 * max(self.max_tensor_bytes, 64))
+
 
 @dataclass
 class Call:
@@ -158,7 +163,12 @@ class ByteBudget:
         self.arrived = 0  # payload bytes that arrived, held or refused (server/heap.py trims after enough)
 
     def take(self, n: int, caller: str = "") -> None:
+        """Hold `n` payload bytes that arrived from `caller`; raises Busy (holding nothing more) beyond the limits."""
         self.arrived += n
+        self.reserve(n, caller)
+
+    def reserve(self, n: int, caller: str = "") -> None:
+        """Hold `n` bytes for what `caller` is about to send (the next frame read from its stream); raises Busy."""
         if self.used + n > self.limit:
             raise Busy(f"busy: {self.used / 2**20:.1f} MiB of requests held, the limit is {self.limit / 2**20:.1f} MiB")
         held = self.by_caller.get(caller, 0)
@@ -216,10 +226,13 @@ async def read_call(
     budget: ByteBudget | None = None,
     caller: str = "",
     idle_timeout: float | None = None,
+    on_meta: Callable[[pb.CallMeta], None] | None = None,
 ) -> Call:
     """Assemble a request or response stream; raises WireError on anything malformed or over the limits, Busy when
-    `budget` has no room for its payload, or none left for `caller` (then it holds nothing of it; on success it holds
-    `Call.reserved`), TimeoutError when no frame arrives for `idle_timeout` seconds.
+    `budget` has no room for its payload or for the next frame before it is read, or none left for `caller` (then it
+    holds nothing of it; on success it holds `Call.reserved`), TimeoutError when no frame arrives for `idle_timeout`
+    seconds. `on_meta(meta)` runs once the CallMeta has passed the checks here, before any payload is held: what it
+    raises ends the read.
 
     Frames are serialized, as they come off the wire (each payload is then copied once, into its tensor's buffer), or
     already parsed `pb.Frame`s."""
@@ -229,6 +242,15 @@ async def read_call(
     # declares a large tensor and sends nothing reserves nothing
     buf = bytearray()
     taken = 0
+    # held for the frame being read: gRPC receives a stream's next message into memory once it is asked for, so the
+    # budget covers the streams being read, not only the payloads they hold
+    read_ahead = 0
+
+    def before_read() -> None:
+        nonlocal read_ahead
+        if budget is not None and not read_ahead:
+            budget.reserve(limits.frame_bytes, caller)
+            read_ahead = limits.frame_bytes
 
     def finish() -> None:
         if current is not None:
@@ -240,7 +262,10 @@ async def read_call(
             call.tensors[current.name] = EncodedTensor(current, buf)
 
     try:
-        async for message in _within(frames, idle_timeout):
+        async for message in _within(frames, idle_timeout, before_read):
+            if budget is not None:
+                budget.release(read_ahead, caller)
+                read_ahead = 0
             if isinstance(message, pb.Frame):
                 frame, data = message, memoryview(message.data)
             else:
@@ -251,6 +276,8 @@ async def read_call(
                 if frame.meta.protocol_version != PROTOCOL_VERSION:
                     raise WireError(f"protocol version {frame.meta.protocol_version} != {PROTOCOL_VERSION}")
                 _check_meta(frame.meta)
+                if on_meta is not None:
+                    on_meta(frame.meta)
                 call = Call(meta=frame.meta)
             if frame.HasField("tensor"):
                 finish()
@@ -267,28 +294,32 @@ async def read_call(
                     budget.take(len(data), caller)
                     taken += len(data)
                 buf += data
+            # the frame as it came off the wire is copied: let it go before waiting for the next, not after (each
+            # stream being read would hold a frame more than the budget counts)
+            del message, frame, data
         if call is None:
             raise WireError("empty stream")
         finish()
     except BaseException:
         if budget is not None:
-            budget.release(taken, caller)
+            budget.release(taken + read_ahead, caller)
         raise
+    if budget is not None:
+        budget.release(read_ahead, caller)
     call.reserved, call.caller = taken, caller
     return call
 
 
-async def _within(frames: AsyncIterable, idle_timeout: float | None) -> AsyncIterator:
-    """`frames`, each within `idle_timeout` seconds of the one before (None: no limit); raises TimeoutError."""
-    if idle_timeout is None:
-        async for frame in frames:
-            yield frame
-        return
+async def _within(frames: AsyncIterable, idle_timeout: float | None, before: Callable[[], None]) -> AsyncIterator:
+    """`frames`, each within `idle_timeout` seconds of the one before (None: no limit); raises TimeoutError. Calls
+    `before()` before it asks for each frame."""
     it, end = aiter(frames), object()
     while True:
+        before()
         # the end comes as a value, not StopAsyncIteration: wait_for's task would keep that exception, and with it
         # this frame and the last payload, in a cycle only the garbage collector frees
-        frame = await asyncio.wait_for(anext(it, end), idle_timeout)
+        frame = await (anext(it, end) if idle_timeout is None else asyncio.wait_for(anext(it, end), idle_timeout))
         if frame is end:
             return
         yield frame
+        del frame  # not held while waiting for the next

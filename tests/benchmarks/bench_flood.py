@@ -1,6 +1,8 @@
 """Flood one real stage server (its own process, with its DHT node and averagers) with bursts of concurrent large
 requests, round after round: how far its memory (RSS) grows, whether it keeps growing from round to round, and whether
-every request is answered (served or refused) within its deadline.
+every request is answered (served or refused) within its deadline. Before the rounds, one valid Forward is sent alone
+(twice): the peak it reaches is what serving one full-batch request costs (its computation's working memory); the
+table gives each round's peak against it too, the flood's own cost.
 
 Each round sends `--concurrency` calls at once, in equal parts: valid Forwards of `--mb` MiB of hidden states; Backwards
 of twice that carrying no admission from stage 0 (read whole, then refused); and calls that send a header declaring
@@ -134,6 +136,15 @@ def main() -> None:
         pid = server.proc.pid
         start = rss_mb(pid)
         common.log(f"server pid {pid}: RSS {start:.0f} MB at rest; {args.rounds} rounds of {args.concurrency} calls")
+        # what serving one valid request at the stage's full batch costs by itself: its computation's working memory,
+        # which glibc keeps for the next one (the flood's own cost is what comes on top)
+        alone = []
+        for _ in range(2):
+            with RssSampler(pid) as sampler:
+                asyncio.run(flood(address, {"forward": kinds["forward"]}, 1, args.deadline))
+            alone.append(sampler.peak)
+        alone_peak = max(alone)
+        common.log(f"one valid Forward alone: peak RSS {alone_peak:.0f} MB ({alone_peak - start:+.0f} MB above rest)")
         rows, afters = [], []
         for r in range(args.rounds):
             with RssSampler(pid) as sampler:
@@ -154,6 +165,7 @@ def main() -> None:
                     f"{slowest:.1f}",
                     late,
                     f"{sampler.peak:.0f}",
+                    f"{sampler.peak - alone_peak:+.0f}",
                     f"{after:.0f}",
                     f"{after - start:+.0f}",
                 ]
@@ -165,14 +177,32 @@ def main() -> None:
             common.log("  by kind: " + "; ".join(f"{k} {dict(v)}" for k, v in by_kind.items()))
         common.table(
             f"flood: {args.concurrency} concurrent calls per round, {args.mb} MiB each, deadline {args.deadline:.0f}s "
-            f"(RSS at rest {start:.0f} MB)",
-            ["round", "s", "statuses", "slowest s", "past deadline", "peak RSS MB", "RSS after MB", "vs rest"],
+            f"(RSS at rest {start:.0f} MB; one valid Forward alone peaks at {alone_peak:.0f} MB)",
+            [
+                "round",
+                "s",
+                "statuses",
+                "slowest s",
+                "past deadline",
+                "peak RSS MB",
+                "vs one alone",
+                "RSS after MB",
+                "vs rest",
+            ],
             rows,
         )
         steps = [b - a for a, b in zip(afters, afters[1:], strict=False)]
         print(f"growth of RSS after each round vs the one before: {', '.join(f'{s:+.0f}' for s in steps)} MB")
         common.write_json(
-            args.out, "flood", {"hardware": common.hardware(), "rest_mb": start, "rows": rows, "pid": os.getpid()}
+            args.out,
+            "flood",
+            {
+                "hardware": common.hardware(),
+                "rest_mb": start,
+                "alone_peak_mb": alone_peak,
+                "rows": rows,
+                "pid": os.getpid(),
+            },
         )
 
 
