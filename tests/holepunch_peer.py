@@ -54,7 +54,8 @@ async def main(role: str, host: str, directory: Path) -> None:
     if role == "home":
         dht = start_dht(relays, host=host, relay="reserve")
         await p2p_transport.serve(await dht.replicate_p2p(), _echo, _echo, _unused, _unused)
-        (directory / "home").write_text(str(dht.peer_id))
+        (directory / "home.tmp").write_text(str(dht.peer_id))
+        (directory / "home.tmp").replace(directory / "home")  # whole, or not there: a reader never sees it empty
         await asyncio.Event().wait()
     dht = start_dht(relays, host=host, client_mode=True)
     p2p = await dht.replicate_p2p()
