@@ -314,15 +314,15 @@ class StageService:
         try:
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
 
-            def precheck(meta: pb.CallMeta) -> None:  # refused before its payload is read
-                if not (self.schema.is_first and not backward and not meta.inference):  # calls `observe` will check
+            def precheck(meta: pb.CallMeta) -> None:  # what `observe` will refuse, refused before the payload is read
+                if not self._admits(meta, backward):
                     collab.precheck(meta, backward)
 
             call = await self._read(raw_frames, limits, deadline, caller, precheck)
             ticket = None
             n = self._samples(call)
             where = "admission" if self.schema.is_first and not backward else "its epoch (observe)"
-            if self.schema.is_first and not backward and not call.meta.inference:
+            if self._admits(call.meta, backward):
                 ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
             else:
                 reply = await self._observe(
@@ -496,6 +496,10 @@ class StageService:
             seconds = min(read_for - (time.monotonic() - started), DRAIN_S)
             await self.drains.drain(raw_frames, 2 * limits.max_tensor_bytes + CHUNK_BYTES, seconds, self._arrived)
             raise
+
+    def _admits(self, meta: pb.CallMeta, backward: bool) -> bool:
+        """Whether this call is stage 0's admission of a training microbatch; every other call carries one to check."""
+        return self.schema.is_first and not backward and not meta.inference
 
     def _arrived(self, n: int) -> None:
         self.budget.arrived += n

@@ -12,8 +12,10 @@ and again, and a stage's step would absorb many times its global batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dht.identity import verify
@@ -97,17 +99,19 @@ class Tickets:
     async def check(self, meta: pb.CallMeta, samples: int, backward: bool) -> None:
         """Raises TicketRefused unless `meta`'s admission is signed by a stage-0 peer for this microbatch id and
         `samples`, or the call has no admission and is not a Backward (evaluation)."""
-        try:
+        with self._counting():
             await self._check(meta, samples, backward)
-        except TicketRefused:
-            self.refused += 1
-            raise
 
     def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
         """What `check` refuses from `meta` alone (raises TicketRefused): run on a call's first frame, so that such a
         call is turned away before its payload is read."""
-        try:
+        with self._counting():
             _check_form(meta, backward)
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        try:
+            yield
         except TicketRefused:
             self.refused += 1
             raise

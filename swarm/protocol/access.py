@@ -43,7 +43,7 @@ MAX_NONCES = 500_000  # proofs remembered to refuse replays (~100 bytes each); b
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # say only whether the server is up
 REFUSAL_LOG_INTERVAL_S = 10.0
 # A stream refused while its caller is still sending is read on (and dropped, unparsed) this long or this far, at most
-# DRAINING such streams at a time (swarm.protocol.frames.Drains)
+# DRAINING such streams at a time (swarm.protocol.drain.Drains)
 DRAIN_S, DRAIN_BYTES, DRAINING = 2.0, 16 << 20, 4
 
 

@@ -246,9 +246,9 @@ async def read_call(
     # budget covers the streams being read, not only the payloads they hold
     read_ahead = 0
 
-    def before_read() -> None:
+    def before_read() -> None:  # nothing is reserved now: each frame's arrival gave its reservation back
         nonlocal read_ahead
-        if budget is not None and not read_ahead:
+        if budget is not None:
             budget.reserve(limits.frame_bytes, caller)
             read_ahead = limits.frame_bytes
 
