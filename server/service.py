@@ -31,7 +31,16 @@ from swarm.compression.policy import role_of
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.drain import Drains
-from swarm.protocol.frames import Busy, ByteBudget, Call, Limits, iter_frames, read_call
+from swarm.protocol.frames import (
+    MAX_META_STRING,
+    MAX_SIGNATURE_BYTES,
+    Busy,
+    ByteBudget,
+    Call,
+    Limits,
+    iter_frames,
+    read_call,
+)
 from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
 from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_checked, encode_tensor
@@ -165,6 +174,31 @@ def _expect(ok: bool, message: str) -> None:
         raise WireError(message)
 
 
+def _admission(meta: pb.CallMeta, samples: int) -> pb.Admission:
+    """Stage 0's admission of a Backward's microbatch, as its call carried it (checked by the collaboration)."""
+    return pb.Admission(
+        microbatch_id=meta.microbatch_id,
+        samples=samples,
+        global_batch=meta.global_batch,
+        admitted_at=meta.admitted_at,
+        admitted_by=meta.admitted_by,
+        signature=meta.admission_signature,
+    )
+
+
+def valid_admission(a: pb.Admission) -> bool:
+    """The form of an admission a Progress carries, as a call's is checked (swarm.protocol.frames); its signature is
+    checked by the receiving collaboration (server/collab/served.py)."""
+    return (
+        len(a.microbatch_id) <= MAX_META_STRING
+        and 1 <= a.samples < 2**40
+        and 0 <= a.global_batch < 2**62
+        and 0 <= a.admitted_at < 2**62
+        and 0 < len(a.admitted_by) <= MAX_META_STRING
+        and 0 < len(a.signature) <= MAX_SIGNATURE_BYTES
+    )
+
+
 def _check_ids(x: torch.Tensor, vocab: int, name: str) -> None:
     _expect(x.numel() == 0 or (int(x.min()) >= 0 and int(x.max()) < vocab), f"{name} must be token ids in [0, {vocab})")
 
@@ -243,6 +277,7 @@ class StageService:
             and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))
             and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
             and len(msg.signature) <= 2048
+            and all(map(valid_admission, msg.served))
         )
         try:
             ack = await self.collab.on_progress(msg) if ok else None
@@ -552,15 +587,20 @@ class StageService:
             other = decode_checked(call.tensors[other_name], device, other_name, schema.bound)
             schema.check_backward(inputs, other)
             global_batch = meta.global_batch if meta.HasField("global_batch") else None
+            admission = _admission(meta, int(inputs.shape[0])) if global_batch is not None else None
             if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
-                result = self.worker.backward(inputs, labels=other, global_batch=global_batch)
+                result = self.worker.backward(inputs, labels=other, global_batch=global_batch, admission=admission)
                 assert result.loss is not None  # the last stage computes it
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
                 self.losses.append(result.loss)
             else:
                 version = meta.forward_version if meta.HasField("forward_version") else None
                 result = self.worker.backward(
-                    inputs, grad_outputs=other.float(), forward_version=version, global_batch=global_batch
+                    inputs,
+                    grad_outputs=other.float(),
+                    forward_version=version,
+                    global_batch=global_batch,
+                    admission=admission,
                 )
             tensors = []
             if (

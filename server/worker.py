@@ -152,6 +152,12 @@ class StageWorker:
         self.samples_accumulated = 0  # towards the current epoch
         self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
         self.samples_late = 0  # in the current epoch's gradients but not its count: microbatches of ended epochs
+        # stage 0's admissions (opaque here) of the microbatches behind those three counts: what a peer shows the
+        # stage to prove the samples it holds (server/collab/served.py)
+        self.served: list = []
+        self.served_next: list = []
+        self.served_late: list = []
+        self._served_taken: list = []  # the last `take_gradients`' admissions, until its epoch is over
         self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
         # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
@@ -189,12 +195,13 @@ class StageWorker:
         labels: torch.Tensor | None = None,
         forward_version: int | None = None,
         global_batch: int | None = None,
+        admission: object | None = None,
     ) -> BackwardResult:
         """Compute thread only. Adds this microbatch's gradients to the epoch's, or to the next epoch's if it belongs
         to a later `global_batch` (admitted early). A microbatch of an earlier global batch (late: the epoch ended
         without it) joins the current epoch's gradients without counting towards its end. `forward_version`: the
         param_version that served this microbatch's forward; the recomputed forward uses those parameters if they
-        are stashed."""
+        are stashed. `admission`: stage 0's of this microbatch, kept with the count it goes to (`served`)."""
         n = inputs.shape[0]
         early = global_batch is not None and global_batch > self.epoch
         late = global_batch is not None and global_batch < self.epoch
@@ -216,6 +223,8 @@ class StageWorker:
             self.samples_late += n
         else:
             self.samples_accumulated += n
+        if admission is not None:
+            (self.served_next if early else self.served_late if late else self.served).append(admission)
         self.microbatches_processed += 1
         return result
 
@@ -283,6 +292,8 @@ class StageWorker:
             p.grad = early
         self._next_grads = [None] * len(self.params)
         self.samples_accumulated, self.samples_next, self.samples_late = self.samples_next, 0, 0
+        self._served_taken = self.served + self.served_late
+        self.served, self.served_next, self.served_late = self.served_next, [], []
         if end_epoch:
             with self.state_lock:
                 self.epoch += 1
@@ -298,6 +309,7 @@ class StageWorker:
                         p.grad = early if p.grad is None else p.grad.add_(early)
                 self._next_grads = [None] * len(self.params)
                 self.samples_accumulated, self.samples_next = self.samples_accumulated + self.samples_next, 0
+                self.served, self.served_next = self.served + self.served_next, []
                 self.epoch = epoch
 
     def drop_gradients(self) -> None:
@@ -306,6 +318,7 @@ class StageWorker:
             p.grad = None
         self._next_grads = [None] * len(self.params)
         self.samples_accumulated = self.samples_next = self.samples_late = 0
+        self.served, self.served_next, self.served_late, self._served_taken = [], [], [], []
 
     @torch.no_grad()
     def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:
@@ -315,6 +328,7 @@ class StageWorker:
             if n > 0:
                 p.grad = g.mul_(n) if p.grad is None else p.grad.add_(g, alpha=n)
         self.samples_accumulated += n
+        self.served, self._served_taken = self._served_taken + self.served, []
 
     @torch.no_grad()
     def apply_gradients(
@@ -545,6 +559,7 @@ class StageWorker:
                 fastest[kind] = min(seconds, fastest.get(kind, seconds))
         self._seconds_per_sample = fastest
         self.samples_processed = self.samples_accumulated = self.microbatches_processed = 0
+        self.served = []
         self.guard.reset()  # random inputs: their gradients say nothing about real ones
 
     def shutdown(self) -> None:

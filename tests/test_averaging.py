@@ -242,6 +242,40 @@ def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer
             assert torch.equal(got, v), "a failed round changed a peer's values"
 
 
+def test_a_peer_weighs_what_its_admissions_prove_in_the_parts_others_reduce():
+    """The weight a peer declares is its word; each peer caps the others' at what their admissions proved to it
+    (server/collab/served.py, through `cap_weights`). Three peers in a fixed group prove 1, 2 and 2 samples; the
+    third declares 6. The parts a and b reduce count it at 2, not 6; the part it reduces itself counts what it
+    declares (a reducer makes its own part: caps cannot bound that), and every peer ends with the same values. A
+    listed peer that a cap does not name weighs nothing in the parts of the peer that set it."""
+    values = [torch.full((30_000,), v) for v in (0.0, 3.0, 30.0)]
+    with fixed_group("avgtest_proven", values, part_size_bytes=4096) as (peers, start, round_of):
+        start()
+        ids = [str(p.peer_id) for p in peers]
+        for peer in peers[:2]:
+            peer.cap_weights({ids[0]: 1.0, ids[1]: 2.0, ids[2]: 2.0})
+        results, outs = round_of([1.0, 2.0, 6.0])
+        assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+        assert all(torch.equal(o, outs[0]) for o in outs), "peers hold different averages"
+        capped, own = (1 * 0.0 + 2 * 3.0 + 2 * 30.0) / 5, (1 * 0.0 + 2 * 3.0 + 6 * 30.0) / 9
+        got = outs[0]
+        in_capped = torch.isclose(got, torch.tensor(capped)).float().mean().item()
+        in_own = torch.isclose(got, torch.tensor(own)).float().mean().item()
+        assert in_capped + in_own == 1.0, (got.unique(), capped, own)
+        assert 0.5 < in_capped < 0.8, in_capped  # about 2 parts of 3: those a and b reduce
+
+        for peer, v in zip(peers, values, strict=True):
+            with peer.get_tensors() as (tensor,):
+                tensor.copy_(v)
+        for peer in peers[:2]:
+            peer.cap_weights({ids[0]: 1.0, ids[1]: 2.0})  # nothing proven by the third
+        results, outs = round_of([1.0, 2.0, 6.0])
+        assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+        got = outs[0]
+        in_capped = torch.isclose(got, torch.tensor((1 * 0.0 + 2 * 3.0) / 3)).float().mean().item()
+        assert 0.5 < in_capped < 0.8, (in_capped, got.unique())
+
+
 class BreaksOffToOnePeer(ExactAllReduceRunner):
     """A sender that sends the first reducer after itself only the first of its parts, then ends the stream; every
     other reducer gets all of its parts."""
@@ -313,6 +347,7 @@ async def test_a_sender_whose_weight_is_negative_not_finite_or_changing_is_refus
     runner.tensor_part_container = SimpleNamespace(prefetch=1)
     runner.sender_peer_ids, runner.banned_senders, runner.banlock = [PeerID(b"h" * 34)], set(), asyncio.Lock()
     runner.max_weight = runner.max_total_weight = math.inf
+    runner.weight_caps = None
     runner.weights, runner.reducer_failed = {}, asyncio.Event()
 
     async def stream():

@@ -155,6 +155,15 @@ class Fuzzer:
             averaged=rng.choice([None, 0, 1, -1, 2**62]),  # above its epoch, or negative: malformed
             recovering=rng.random() < 0.3,
         )
+        for _ in range(rng.choice([0, 0, 1, 3, 40])):  # the admissions behind its count: garbage, and too many
+            msg.served.add(
+                microbatch_id=rng.choice(["", "mb", "m" * 500]),
+                samples=rng.choice([0, 1, 4, -1, 2**41]),
+                global_batch=rng.choice([0, 1, -1, 2**62]),
+                admitted_at=rng.choice([0, 1, -5]),
+                admitted_by=rng.choice(["", "peer", "p" * 500]),
+                signature=rng.choice([b"", b"x" * 256, b"y" * 5000]),
+            )
         return "Progress", msg.SerializeToString()
 
 

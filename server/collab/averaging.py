@@ -124,6 +124,9 @@ class GradientAveraging:
     def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
+        # the epoch -> the most each member's part may weigh in the parts we reduce, by libp2p id (None: no cap but
+        # the averager's own); a member it does not name weighs nothing there
+        self.weight_caps: Callable[[int], dict[str, float]] | None = None
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
         self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
         self.rounds_ok = self.rounds_failed = 0
@@ -199,6 +202,8 @@ class GradientAveraging:
             fixed = group() if group is not None else None  # first: it may read who the members are afresh
             members = None if self.members is None else self.members()
             self.averager.expect_group(group_size if self.cfg.early_rounds else None, members)
+            if self.weight_caps is not None:  # what each peer's admissions prove it holds, as of now (served.py)
+                self.averager.cap_weights(self.weight_caps(gather[0]))
             if group is not None:
                 self.averager.fix_group(fixed or None, gather_timeout=self.gather_timeout())
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
@@ -432,6 +437,12 @@ class Averaging:
         self.gradients.members = members
         if self.parameters is not None:
             self.parameters.members = members
+
+    def cap_weights(self, caps: Callable[[int], dict[str, float]]) -> None:
+        """The stage's gradient rounds (any thread): the most each peer's part weighs in the parts we reduce is what
+        `caps(epoch)` gives for its libp2p id at the time (server/collab/served.py). Tied rounds hold the other
+        stage's peers, whose admissions we do not see: their weights keep the epoch's bounds only."""
+        self.gradients.weight_caps = caps
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
         return tuple(part.averager for part in self._parts())

@@ -39,6 +39,7 @@ from server.collab.hivemind_compat import check_version
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
+from server.collab.served import LATE_EPOCHS, Served
 from server.collab.tickets import Ticket, Tickets
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
@@ -133,6 +134,8 @@ class StageCollaboration:
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)
+        self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
+        self.averaging.cap_weights(self._proven_weights)
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
@@ -283,8 +286,9 @@ class StageCollaboration:
         if reason is not None:
             raise ProgressRefused(reason)
         first = not self.peers.heard_from(msg.peer_id)
-        if max(msg.samples, msg.admitted, msg.admitted_next) > (most := self._most_samples()):
+        if max(msg.samples, msg.admitted, msg.admitted_next, len(msg.served)) > (most := self._most_samples()):
             raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
+        await self.served.prove(msg)
         self.peers.record(msg)
         if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
             self._spawn(self._broadcast(end_epoch=False))
@@ -310,6 +314,10 @@ class StageCollaboration:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
+    def _proven_weights(self, epoch: int) -> dict[str, float]:
+        """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
+        return {p2p: float(self.served.proven(p, epoch)) for p, p2p in dict(self.peers.p2p_ids).items() if p2p}
+
     def _epoch_total(self) -> int:
         """The most samples the peers of a stage can hold together for one epoch's round: what one peer can report
         (`_most_samples`), and a microbatch counted twice (a Backward retried on another peer after its reply was
@@ -329,8 +337,10 @@ class StageCollaboration:
 
     async def _broadcast(self, end_epoch: bool, ending: int | None = None) -> None:
         """`ending`: the epoch whose round we are in; we tell the peers to end it if we are still in it."""
-        while True:  # the compute thread may end the epoch between the two reads: read both from the same epoch
-            epoch, samples, lineage = self.epoch, self.worker.samples_accumulated, self.worker.lineage
+        worker = self.worker
+        while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
+            epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
+            served = [*worker.served, *worker.served_late]  # the admissions behind our count (served.py)
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending
@@ -343,6 +353,7 @@ class StageCollaboration:
             lineage=lineage,
             averaged=self._averaged,
             recovering=self.phase is Phase.RECOVERING,
+            served=served,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
@@ -633,6 +644,7 @@ class StageCollaboration:
         self.phase, self._ending = Phase.ENDING, epoch
         self._stepped.clear()
         self.peers.forget_before(epoch)
+        self.served.forget_before(epoch - LATE_EPOCHS)
         if self.peers.group_size(epoch) <= 1:
             # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
             # stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30 steps). A peer with

@@ -200,15 +200,22 @@ class ExactAllReduceRunner(AllReduceRunner):
     tensor_part_reducer: TensorPartReducer
 
     def __init__(
-        self, robust_clip: float = 0.0, max_weight: float = math.inf, max_total_weight: float = math.inf, **kwargs
+        self,
+        robust_clip: float = 0.0,
+        max_weight: float = math.inf,
+        max_total_weight: float = math.inf,
+        weight_caps: dict[PeerID, float] | None = None,
+        **kwargs,
     ):
         """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean.
         `max_weight`: the most a sender weighs in the parts we reduce, whatever it declares (its samples: no more
         than one epoch can hold); a weight that is negative, not finite, or changes between parts fails the round.
         `max_total_weight`: the most the whole group can weigh (the samples of one epoch, which its peers share): a
         group whose senders declare more together fails the round, so a peer that overstates its samples can take
-        only what its peers left, not the cap each."""
-        self.max_weight, self.max_total_weight = max_weight, max_total_weight
+        only what its peers left, not the cap each. `weight_caps`: the most each other sender weighs there (the
+        samples its admissions prove: server/collab/served.py); a sender it does not name weighs nothing (None: no
+        such caps)."""
+        self.max_weight, self.max_total_weight, self.weight_caps = max_weight, max_total_weight, weight_caps
         self.weights: dict[int, float] = {}  # sender index -> its weight as we count it, from its first part
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
@@ -271,7 +278,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[peer_index]]  # our parts' tensors
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(  # capped as a remote sender's would be
-                sender_index, part_index, part, weight=min(self.weight, self.max_weight)
+                sender_index, part_index, part, weight=self.weights[sender_index]
             )
             info = infos[part_index]
             as_sent = await loop.run_in_executor(None, self._as_sent, averaged, info)  # codec work off the event loop
@@ -282,7 +289,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         than `max_total_weight` together. Weights are >= 0, so a total over the bound stays over it, and it is found
         before the first part is reduced (that part waits for every sender, and each is weighed first). The reducer
         is then finalized (`_fail_round`)."""
-        self.weights[sender_index] = min(weight, self.max_weight)
+        self.weights[sender_index] = counted = min(weight, self._cap_of(sender_index))
+        if counted < weight and self.weight_caps is not None:
+            logger.info(
+                "%s's part declares %g samples, its admissions prove %g: it weighs %g in our parts",
+                str(self.sender_peer_ids[sender_index])[-6:],
+                weight,
+                self.weight_caps.get(self.sender_peer_ids[sender_index], 0.0),
+                counted,
+            )
         total = sum(self.weights.values())
         if total <= self.max_total_weight:
             return True
@@ -305,6 +320,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             if peer_id not in self.banned_senders:
                 self.banned_senders.add(peer_id)
                 self._fail_round()
+
+    def _cap_of(self, sender_index: int) -> float:
+        """The most a sender's part weighs in the parts we reduce; ours weighs what we declare, up to `max_weight`."""
+        peer = self.sender_peer_ids[sender_index]
+        if self.weight_caps is None or peer == self.peer_id:
+            return self.max_weight
+        return min(self.max_weight, self.weight_caps.get(peer, 0.0))
 
     def _fail_round(self) -> None:
         """A sender broke the round's rules: no part of ours reaches anyone (hivemind's reducer would go on without
@@ -335,7 +357,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 declared = weight
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, part, weight=min(weight, self.max_weight)
+                        sender_index, part_index, part, weight=self.weights[sender_index]
                     )
                     part_index += 1
                 except BannedException:
@@ -367,6 +389,7 @@ class StrictAverager(DecentralizedAverager):
     robust_clip = 0.0  # > 0: the parts this peer reduces are CenteredClip's robust mean (set before the process forks)
     max_weight = math.inf  # the most a peer's part weighs in the parts we reduce (set before the process forks)
     max_total_weight = math.inf  # the most the group's parts weigh together (set before the process forks)
+    _weight_caps: dict[PeerID, float] | None = None  # the next rounds' caps of each member's weight (its process)
     _listed_read_at = float("-inf")
     runner_type: type[ExactAllReduceRunner] = ExactAllReduceRunner  # a test's runner may break a round's rules
 
@@ -378,6 +401,15 @@ class StrictAverager(DecentralizedAverager):
         uses, so it reaches the process first."""
         valid = None if members is None else sorted(m for m in members if parse_p2p_id(m) is not None)
         self._outer_pipe.send(("_expect_group", [size, valid], {}))
+
+    def cap_weights(self, caps: dict[str, float] | None) -> None:
+        """Rounds from the next `step` on count each other member's part at no more than `caps` gives for its libp2p
+        id, and a member it does not name at 0 (None: no such caps). Travels down the pipe `step` uses."""
+        valid = None if caps is None else {m: float(c) for m, c in caps.items() if parse_p2p_id(m) is not None}
+        self._outer_pipe.send(("_cap_weights", [valid], {}))
+
+    async def _cap_weights(self, caps: dict[str, float] | None) -> None:
+        self._weight_caps = None if caps is None else {PeerID.from_base58(m): c for m, c in caps.items()}
 
     async def _expect_group(self, size: int | None, members: list[str] | None) -> None:
         self._matchmaking.target_group_size = size
@@ -557,6 +589,7 @@ class StrictAverager(DecentralizedAverager):
             robust_clip=self.robust_clip,
             max_weight=self.max_weight,
             max_total_weight=self.max_total_weight,
+            weight_caps=self._weight_caps,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

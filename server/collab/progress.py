@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -144,9 +145,11 @@ class StagePeers:
         lineage: str = "",
         averaged: int | None = None,
         recovering: bool = False,
+        served: Sequence[pb.Admission] = (),
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
-        last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state."""
+        last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state. `served`:
+        stage 0's admissions of the microbatches behind our count (served.py)."""
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -163,6 +166,7 @@ class StagePeers:
             lineage=lineage,
             averaged=averaged,
             recovering=recovering,
+            served=served,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         peers = list(self.peers.items())

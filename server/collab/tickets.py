@@ -57,8 +57,8 @@ class TicketSpent(TicketRefused):
     was lost gets that reply again if the server still has it (service.py), else PERMISSION_DENIED."""
 
 
-def ticket_key(meta: pb.CallMeta) -> tuple[str, str, int, int]:
-    """What identifies one admission of one microbatch."""
+def ticket_key(meta: pb.CallMeta | pb.Admission) -> tuple[str, str, int, int]:
+    """What identifies one admission of one microbatch (as a call carries it, or a Progress: served.py)."""
     return meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at
 
 
@@ -122,7 +122,7 @@ class Tickets:
         key = self.signers.get(meta.admitted_by)
         read = True
         if key is None:
-            read = await self._read()
+            read = await self.read_signers()
             key = self.signers.get(meta.admitted_by)
         if key is None and not read:
             raise TicketUnchecked("behind: cannot check this admission's signer yet (our DHT read of stage 0 failed)")
@@ -144,6 +144,11 @@ class Tickets:
     def forget(self, meta: pb.CallMeta) -> None:
         """A Backward whose ticket `check` took failed before its gradient was accumulated: it may come again."""
         self.spent.pop(ticket_key(meta), None)
+
+    async def read_signers(self) -> bool:
+        """Read stage 0's records (at most every READ_INTERVAL_S; concurrent callers share a read): the keys of its
+        peers. False if the read did not complete."""
+        return await self._read()
 
     async def _refresh(self) -> None:
         for entry in await self.sdht.discover(0, include_pending=True):

@@ -176,7 +176,7 @@ class Traffic(_message.Message):
     def __init__(self, role: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering", "served")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class StageProgress(_message.Message):
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     AVERAGED_FIELD_NUMBER: _ClassVar[int]
     RECOVERING_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -209,7 +210,24 @@ class StageProgress(_message.Message):
     lineage: str
     averaged: int
     recovering: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ...) -> None: ...
+    served: _containers.RepeatedCompositeFieldContainer[Admission]
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ..., served: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("microbatch_id", "samples", "global_batch", "admitted_at", "admitted_by", "signature")
+    MICROBATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    microbatch_id: str
+    samples: int
+    global_batch: int
+    admitted_at: int
+    admitted_by: str
+    signature: bytes
+    def __init__(self, microbatch_id: _Optional[str] = ..., samples: _Optional[int] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ..., admitted_by: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
     __slots__ = ("epoch", "admitted", "admitted_next")

@@ -1,0 +1,87 @@
+"""What a stage peer's part may weigh in the stage's round: the samples it proves it holds, not the samples it says.
+
+A peer's Progress says how many samples it accumulated towards an epoch, and its part in the round declares a weight;
+both are its own word. Bounded only by what one epoch can hold (epoch.py `_most_samples`), a listed peer that says it
+holds the whole global batch ends the stage's epochs before its peers have their samples, and its part, weighing
+nearly all of the group's weight, becomes the stage's step: one peer steers the stage.
+
+So a Progress also carries stage 0's signed admissions of the microbatches whose gradients the sender holds for the
+epoch (`StageProgress.served`; the worker keeps them beside its counts), and a peer's part in the parts we reduce
+weighs at most what its admissions prove (hivemind_compat.py `cap_weights`). An admission proves its samples for one
+peer and one epoch when:
+- a stage-0 peer signed it, over its microbatch, samples and batch (tickets.py);
+- its microbatch's Backward was not served here: a peer relaying the admissions we sent it proves nothing;
+- nobody claimed it before: an admission counts once, for the first peer that names it and the epoch it named it
+  for (a peer does not prove an epoch twice with one microbatch, nor with another peer's);
+- its global batch is at most LATE_EPOCHS before the epoch (a Backward of an ended epoch joins the next one's
+  gradients) and at most one after it.
+An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
+microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
+weighted a little differently from the others' parts. A liar's part weighs what it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+
+from dht.identity import verify
+from server.collab.tickets import Tickets, ticket_bytes, ticket_key
+from swarm.protocol import wire_pb2 as pb
+
+logger = logging.getLogger(__name__)
+LATE_EPOCHS = 2  # how many epochs before the one it is counted for an admission's global batch may be
+SIGNER_READ_S = 1.0  # the longest a Progress waits for a read of stage 0's keys
+MAX_CLAIMED = 1 << 16  # admissions remembered as claimed (a global batch of 1024 microbatches, 64 times over)
+
+
+class Served:
+    """Event loop. The samples each stage peer proved it holds, by epoch."""
+
+    def __init__(self, tickets: Tickets):
+        self.tickets = tickets
+        self._claimed: OrderedDict[tuple, tuple[str, int]] = OrderedDict()  # admission -> (peer id, epoch)
+        self._proven: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples its admissions proved
+        self.forged = 0  # admissions whose signature did not verify
+
+    async def prove(self, msg: pb.StageProgress) -> None:
+        """Count the admissions of an authentic Progress (its signature checked) towards its sender and epoch."""
+        epoch, peer = int(msg.epoch), msg.peer_id
+        fresh = [a for a in msg.served if ticket_key(a) not in self._claimed]
+        if not fresh:
+            return
+        if any(a.admitted_by not in self.tickets.signers for a in fresh):
+            # a stage-0 peer we have not heard of: read stage 0's records (throttled), but not for long: the sender
+            # waits for our answer. An admission still unknown proves nothing now; the sender's next Progress carries
+            # it again (each carries every admission of its epoch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.tickets.read_signers(), SIGNER_READ_S)
+        for a in fresh:
+            key = ticket_key(a)
+            if key in self._claimed or key in self.tickets.spent:
+                continue
+            if not epoch - LATE_EPOCHS <= a.global_batch <= epoch + 1:
+                continue
+            public_key = self.tickets.signers.get(a.admitted_by)
+            if public_key is None:
+                continue
+            signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
+            if not verify(public_key, signed, a.signature):
+                self.forged += 1
+                logger.warning("%s sent an admission whose signature does not verify: not counted", peer[-6:])
+                continue
+            self._claimed[key] = peer, epoch
+            while len(self._claimed) > MAX_CLAIMED:
+                self._claimed.popitem(last=False)
+            proven = self._proven.setdefault(epoch, {})
+            proven[peer] = proven.get(peer, 0) + int(a.samples)
+
+    def proven(self, peer_id: str, epoch: int) -> int:
+        """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
+        return dict(self._proven.get(epoch, {})).get(peer_id, 0)
+
+    def forget_before(self, epoch: int) -> None:
+        for old in [e for e in self._proven if e < epoch]:
+            del self._proven[old]
