@@ -13,8 +13,9 @@ peer and one epoch when:
 - its microbatch's Backward was not served here: a peer relaying the admissions we sent it proves nothing;
 - nobody claimed it before: an admission counts once, for the first peer that names it and the epoch it named it
   for (a peer does not prove an epoch twice with one microbatch, nor with another peer's);
-- its global batch is at most LATE_EPOCHS before the epoch (a Backward of an ended epoch joins the next one's
-  gradients) and at most one after it.
+- its global batch is the epoch or at most LATE_EPOCHS before it (a Backward of an ended epoch joins the next one's
+  gradients). One of a later batch (admitted early) is left unclaimed: a peer reports it for its own epoch (a
+  Progress sent while the peer's round runs can name the next epoch's admissions under the epoch it ends).
 An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
 microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
 weighted a little differently from the others' parts. A liar's part weighs what it served.
@@ -62,8 +63,8 @@ class Served:
             key = ticket_key(a)
             if key in self._claimed or key in self.tickets.spent:
                 continue
-            if not epoch - LATE_EPOCHS <= a.global_batch <= epoch + 1:
-                continue
+            if not epoch - LATE_EPOCHS <= a.global_batch <= epoch:
+                continue  # a later batch's is claimed when it is counted for its own epoch
             public_key = self.tickets.signers.get(a.admitted_by)
             if public_key is None:
                 continue
