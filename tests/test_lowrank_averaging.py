@@ -49,7 +49,11 @@ def shared_span_gradients(state: LowRankState, shapes: list[torch.Size]) -> tupl
 
 
 async def average_both(pair: tuple[StageServer, ...], grads: list[list[torch.Tensor]], epoch: int) -> list:
-    """Both peers' gradient averaging of `epoch` at once, with 1 and 3 samples."""
+    """Both peers' gradient averaging of `epoch` at once, with 1 and 3 samples. No Backward brought those samples, so
+    no admission proves them (server/collab/served.py): each peer is told the other's as proven."""
+    for s, other, n_other in zip(pair, reversed(pair), (3, 1), strict=True):
+        other_id = str(other.collab.averaging.gradients.averager.peer_id)
+        s.collab.averaging.gradients.weight_caps = lambda _epoch, i=other_id, n=n_other: {i: float(n)}
     return await asyncio.gather(
         *(
             asyncio.to_thread(s.collab.averaging.gradients.average, g, n, f"test epoch {epoch}", epoch)
