@@ -157,7 +157,8 @@ class StageWorker:
         self.served: list = []
         self.served_next: list = []
         self.served_late: list = []
-        self._served_taken: list = []  # the last `take_gradients`' admissions, until its epoch is over
+        self._served_taken: list = []  # the last `take_gradients`' admissions (its epoch's round may still run)
+        self._taken_epoch: int | None = None  # ... and the epoch they were taken for
         self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
         # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
@@ -292,12 +293,20 @@ class StageWorker:
             p.grad = early
         self._next_grads = [None] * len(self.params)
         self.samples_accumulated, self.samples_next, self.samples_late = self.samples_next, 0, 0
-        self._served_taken = self.served + self.served_late
+        self._served_taken, self._taken_epoch = self.served + self.served_late, self.epoch
         self.served, self.served_next, self.served_late = self.served_next, [], []
         if end_epoch:
             with self.state_lock:
                 self.epoch += 1
         return grads, n
+
+    def served_for(self, epoch: int) -> list:
+        """Any thread: the admissions behind our weight in `epoch`'s round: those taken with its gradients (a
+        synchronous peer's round runs before its epoch moves on), or those accumulating towards it."""
+        taken, taken_epoch = self._served_taken, self._taken_epoch
+        if taken_epoch == epoch:
+            return list(taken)
+        return [*self.served, *self.served_late] if self.epoch == epoch else []
 
     def skip_to(self, epoch: int) -> None:
         """Compute thread only. Move on to `epoch` without a step (the epochs in between had no samples here); the
@@ -319,6 +328,7 @@ class StageWorker:
         self._next_grads = [None] * len(self.params)
         self.samples_accumulated = self.samples_next = self.samples_late = 0
         self.served, self.served_next, self.served_late, self._served_taken = [], [], [], []
+        self._taken_epoch = None
 
     @torch.no_grad()
     def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:
@@ -328,7 +338,7 @@ class StageWorker:
             if n > 0:
                 p.grad = g.mul_(n) if p.grad is None else p.grad.add_(g, alpha=n)
         self.samples_accumulated += n
-        self.served, self._served_taken = self._served_taken + self.served, []
+        self.served, self._served_taken, self._taken_epoch = self._served_taken + self.served, [], None
 
     @torch.no_grad()
     def apply_gradients(

@@ -81,3 +81,16 @@ async def test_forged_foreign_stale_and_our_own_admissions_prove_nothing(served)
     assert served.proven("b", 6) == 4
     served.forget_before(6)
     assert (served.proven("b", 5), served.proven("b", 6)) == (0, 4)
+
+
+async def test_a_peer_we_have_heard_nothing_from_for_an_epoch_weighs_a_microbatch_at_most(served):
+    """A joiner hears none of its peers' counts for the epoch the others are ending: a cap of 0 for each made its
+    parts of the round 0/0. A peer with a Progress of that epoch weighs what it proved, nothing if it proved
+    nothing."""
+    assert served.cap("b", 5, unheard=64.0) == 64.0
+    await served.prove(progress("b", 5))
+    assert served.cap("b", 5, unheard=64.0) == 0.0
+    await served.prove(progress("b", 5, admission("m1", 5)))
+    assert served.cap("b", 5, unheard=64.0) == 4.0
+    served.forget_before(6)
+    assert served.cap("b", 5, unheard=64.0) == 64.0

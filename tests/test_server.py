@@ -159,6 +159,33 @@ def test_returned_gradients_accumulate_on_as_if_never_taken():
     assert workers[0].param_version == 0
 
 
+def test_the_admissions_behind_each_count_follow_it_from_epoch_to_epoch():
+    """What a peer shows its stage to prove its weight in a round (server/collab/served.py): the admissions of the
+    microbatches in that epoch's gradients, early ones (a later batch) with the next epoch, late ones (an ended batch)
+    with this one, through a take (the round runs, its admissions still shown for it), a failed round's return, and
+    a skip."""
+    cfg = tiny_test()
+    tokens, labels = random_batch(cfg, 2, 0)
+    hidden = torch.randn(*tokens.shape, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    w = StageWorker(Stage(cfg, cfg.n_stages - 1), OptimizerConfig(), ComputeConfig(), CPU)
+    w.epoch = 5
+    for name, batch in [("now", 5), ("early", 6), ("late", 4), ("now2", 5)]:
+        w.backward(hidden, labels=labels, global_batch=batch, admission=name)
+    assert w.served_for(5) == ["now", "now2", "late"] and w.served_for(6) == []
+    grads, n = w.take_gradients()  # synchronous: the epoch is still 5 while its round runs
+    assert n == 6 and w.served_for(5) == ["now", "now2", "late"]
+    w.return_gradients(grads, n)  # the round failed: the epoch goes on, the early microbatch moved in with it
+    assert w.served_for(5) == ["now", "now2", "late", "early"]
+    w.take_gradients(end_epoch=True)  # delayed: the epoch moves on at once, its round runs meanwhile
+    assert w.epoch == 6 and w.served_for(5) == ["now", "now2", "late", "early"] and w.served_for(6) == []
+    w.backward(hidden, labels=labels, global_batch=6, admission="six")
+    w.backward(hidden, labels=labels, global_batch=7, admission="seven")
+    w.skip_to(9)  # the epochs in between had nothing here: what it holds goes on to 9
+    assert w.served_for(9) == ["six", "seven"] and w.served_for(6) == []
+    w.drop_gradients()
+    assert w.served_for(9) == [] and w.served_for(5) == []
+
+
 def test_control_jobs_run_before_waiting_requests():
     """Ending an epoch must not wait behind a burst of queued backwards (they would all fold into the epoch)."""
     from server.worker import ComputeThread

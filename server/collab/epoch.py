@@ -316,7 +316,8 @@ class StageCollaboration:
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
-        return {p2p: float(self.served.proven(p, epoch)) for p, p2p in dict(self.peers.p2p_ids).items() if p2p}
+        unheard = float(self.worker.compute_cfg.max_batch_size)
+        return {p2p: float(self.served.cap(p, epoch, unheard)) for p, p2p in dict(self.peers.p2p_ids).items() if p2p}
 
     def _epoch_total(self) -> int:
         """The most samples the peers of a stage can hold together for one epoch's round: what one peer can report
@@ -340,7 +341,7 @@ class StageCollaboration:
         worker = self.worker
         while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
             epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
-            served = [*worker.served, *worker.served_late]  # the admissions behind our count (served.py)
+            served = worker.served_for(epoch)  # the admissions behind our count (served.py)
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending

@@ -45,11 +45,13 @@ class Served:
         self.tickets = tickets
         self._claimed: OrderedDict[tuple, tuple[str, int]] = OrderedDict()  # admission -> (peer id, epoch)
         self._proven: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples its admissions proved
+        self._heard: dict[int, set[str]] = {}  # epoch -> peers whose Progress of that epoch reached us
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress) -> None:
         """Count the admissions of an authentic Progress (its signature checked) towards its sender and epoch."""
         epoch, peer = int(msg.epoch), msg.peer_id
+        self._heard.setdefault(epoch, set()).add(peer)
         fresh = [a for a in msg.served if ticket_key(a) not in self._claimed]
         if not fresh:
             return
@@ -83,6 +85,18 @@ class Served:
         """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
         return dict(self._proven.get(epoch, {})).get(peer_id, 0)
 
+    def cap(self, peer_id: str, epoch: int, unheard: float) -> float:
+        """Any thread: the most `peer_id`'s part weighs in our parts of `epoch`'s round: what it proved, or `unheard`
+        (a microbatch) if no Progress of that epoch reached us from it. A peer that joined while the others took the
+        epoch's last samples heard none of their counts for it, and a cap of 0 for each made its parts 0/0 (seen
+        twice in a soak, after restarts); a liar that tells only some peers it ends an epoch weighs at most
+        `unheard` in the others' parts."""
+        if peer_id not in set(self._heard.get(epoch, ())):
+            return unheard
+        return float(self.proven(peer_id, epoch))
+
     def forget_before(self, epoch: int) -> None:
         for old in [e for e in self._proven if e < epoch]:
             del self._proven[old]
+        for old in [e for e in self._heard if e < epoch]:
+            del self._heard[old]
