@@ -278,6 +278,9 @@ class StageService:
             and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
             and len(msg.signature) <= 2048
             and all(map(valid_admission, msg.served))
+            and (not msg.HasField("taken_epoch") or 0 <= msg.taken_epoch < msg.epoch)
+            and (msg.HasField("taken_epoch") or not msg.taken)
+            and all(map(valid_admission, msg.taken))
         )
         try:
             ack = await self.collab.on_progress(msg) if ok else None

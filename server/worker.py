@@ -300,6 +300,11 @@ class StageWorker:
                 self.epoch += 1
         return grads, n
 
+    @property
+    def taken_epoch(self) -> int | None:
+        """The epoch whose gradients were taken for a round that has not ended in a step yet (None: none)."""
+        return self._taken_epoch
+
     def served_for(self, epoch: int) -> list:
         """Any thread: the admissions behind our weight in `epoch`'s round: those taken with its gradients (a
         synchronous peer's round runs before its epoch moves on), or those accumulating towards it."""
@@ -364,6 +369,7 @@ class StageWorker:
                     p.grad = saved_grad
             if end_epoch:
                 self.epoch += 1
+            self._served_taken, self._taken_epoch = [], None  # that epoch's round is over
 
     def tied_state(self) -> list[torch.Tensor]:
         """Any thread. Our copy of the tied weight and its optimizer state, as CPU tensors: [weight, first moment,

@@ -155,8 +155,10 @@ class Fuzzer:
             averaged=rng.choice([None, 0, 1, -1, 2**62]),  # above its epoch, or negative: malformed
             recovering=rng.random() < 0.3,
         )
+        if rng.random() < 0.3:  # the round it says it is in: below 0, at or past its epoch
+            msg.taken_epoch = rng.choice([-1, 0, 1, 2**62])
         for _ in range(rng.choice([0, 0, 1, 3, 40])):  # the admissions behind its count: garbage, and too many
-            msg.served.add(
+            rng.choice([msg.served, msg.served, msg.taken]).add(
                 microbatch_id=rng.choice(["", "mb", "m" * 500]),
                 samples=rng.choice([0, 1, 4, -1, 2**41]),
                 global_batch=rng.choice([0, 1, -1, 2**62]),

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from dht.identity import Identity
-from server.collab.served import LATE_EPOCHS, Served
+from server.collab.served import LATE_EPOCHS, ForgedAdmission, Served
 from server.collab.tickets import Tickets, ticket_bytes, ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION
@@ -43,39 +43,33 @@ def served() -> Served:
     return Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
 
 
-async def test_admissions_signed_by_stage_zero_prove_their_samples_once_for_one_peer_and_epoch(served):
+async def test_admissions_signed_by_stage_zero_prove_their_samples_once_per_peer(served):
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2)))
     assert served.proven("b", 5) == 6
     # each Progress carries every admission of its epoch: the same ones again prove nothing more
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2), admission("m3", 5)))
     assert served.proven("b", 5) == 10
-    # nor for another epoch of the same peer, nor for another peer that relays them
+    # nor for a later epoch of the same peer
     await served.prove(progress("b", 6, admission("m1", 5), admission("m4", 6)))
+    assert served.proven("b", 6) == 4
+    # another peer naming them counts them too (a Backward retried there; or a copy, which the group's weight bound
+    # limits): counting them for the first peer alone would let a peer that saw them in a Forward take them
     await served.prove(progress("c", 5, admission("m1", 5), admission("m2", 5, samples=2)))
-    assert (served.proven("b", 6), served.proven("c", 5), served.proven("b", 5)) == (4, 0, 10)
+    assert (served.proven("c", 5), served.proven("b", 5)) == (6, 10)
 
 
-async def test_forged_foreign_stale_and_our_own_admissions_prove_nothing(served):
-    ours = admission("ours", 5)
-    served.tickets.spent[ticket_key(ours)] = None  # its Backward was served here
-    await served.prove(
-        progress(
-            "b",
-            5,
-            admission("forged", 5, signer=Identity()),  # names STAGE0, signed by another key
-            ours,
-            admission("stale", 5 - LATE_EPOCHS - 1),
-            admission("future", 7),  # no peer holds a batch two ahead of its epoch
-        )
-    )
-    assert served.proven("b", 5) == 0
+async def test_a_forged_admission_refuses_its_progress_and_foreign_stale_or_our_own_prove_nothing(served):
+    with pytest.raises(ForgedAdmission):  # names STAGE0, signed by another key
+        await served.prove(progress("b", 5, admission("m1", 5), admission("forged", 5, signer=Identity())))
     assert served.forged == 1
+    ours = admission("ours", 5)
+    served.tickets.spent[ticket_key(ours)] = None  # its Backward was served here: relayed, it proves nothing
+    stale = admission("stale", 5 - LATE_EPOCHS - 1)
+    await served.prove(progress("b", 5, ours, stale, admission("future", 7)))
+    assert served.proven("b", 5) == 0
     late = admission("late", 5 - LATE_EPOCHS)  # a Backward of an ended epoch joins the next one's gradients
-    nobody = pb.Admission()
-    nobody.CopyFrom(admission("unknown", 5))
-    nobody.admitted_by = Identity().peer_id  # a signer stage 0's records do not list
     # one of the next batch (admitted early) is claimed for its own epoch, not this one
-    await served.prove(progress("b", 5, late, nobody, admission("next", 6)))
+    await served.prove(progress("b", 5, late, admission("next", 6)))
     assert served.proven("b", 5) == 4
     await served.prove(progress("b", 6, admission("next", 6)))
     assert served.proven("b", 6) == 4
@@ -88,9 +82,27 @@ async def test_a_peer_we_have_heard_nothing_from_for_an_epoch_weighs_a_microbatc
     parts of the round 0/0. A peer with a Progress of that epoch weighs what it proved, nothing if it proved
     nothing."""
     assert served.cap("b", 5, unheard=64.0) == 64.0
+    claim = progress("b", 5)
+    claim.claims = True  # a stage-0 claim: a count without its admissions
+    await served.prove(claim)
+    unknown = admission("unknown", 5)
+    unknown.admitted_by = Identity().peer_id  # a signer stage 0's records do not list (yet)
+    await served.prove(progress("b", 5, unknown))
+    assert served.cap("b", 5, unheard=64.0) == 64.0
     await served.prove(progress("b", 5))
     assert served.cap("b", 5, unheard=64.0) == 0.0
     await served.prove(progress("b", 5, admission("m1", 5)))
     assert served.cap("b", 5, unheard=64.0) == 4.0
     served.forget_before(6)
     assert served.cap("b", 5, unheard=64.0) == 64.0
+
+
+async def test_a_delayed_peer_proves_the_round_it_is_in_while_it_reports_the_next_epoch(served):
+    """With delayed steps a peer reports epoch e + 1 while its round of e runs; its Progress also carries e's
+    admissions (`taken`), so a peer that joined during that round, and heard nothing of e, weighs it right."""
+    msg = progress("b", 6, admission("n1", 6))
+    msg.taken_epoch = 5
+    msg.taken.extend([admission("m1", 5), admission("m2", 5)])
+    await served.prove(msg)
+    assert (served.proven("b", 5), served.proven("b", 6)) == (8, 4)
+    assert served.cap("b", 5, unheard=64.0) == 8.0

@@ -39,7 +39,7 @@ from server.collab.hivemind_compat import check_version
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
-from server.collab.served import LATE_EPOCHS, Served
+from server.collab.served import LATE_EPOCHS, ForgedAdmission, Served
 from server.collab.tickets import Ticket, Tickets
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
@@ -286,9 +286,13 @@ class StageCollaboration:
         if reason is not None:
             raise ProgressRefused(reason)
         first = not self.peers.heard_from(msg.peer_id)
-        if max(msg.samples, msg.admitted, msg.admitted_next, len(msg.served)) > (most := self._most_samples()):
+        counts = (msg.samples, msg.admitted, msg.admitted_next, len(msg.served), len(msg.taken))
+        if max(counts) > (most := self._most_samples()):
             raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
-        await self.served.prove(msg)
+        try:
+            await self.served.prove(msg)
+        except ForgedAdmission as e:
+            raise ProgressRefused(str(e)) from None
         self.peers.record(msg)
         if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
             self._spawn(self._broadcast(end_epoch=False))
@@ -342,6 +346,9 @@ class StageCollaboration:
         while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
             epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
             served = worker.served_for(epoch)  # the admissions behind our count (served.py)
+            taken_epoch = worker.taken_epoch  # ... and behind our weight in the round we are in, if of an earlier epoch
+            taken_epoch = taken_epoch if taken_epoch is not None and taken_epoch < epoch else None
+            taken = worker.served_for(taken_epoch) if taken_epoch is not None else []
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending
@@ -355,6 +362,7 @@ class StageCollaboration:
             averaged=self._averaged,
             recovering=self.phase is Phase.RECOVERING,
             served=served,
+            taken=(taken_epoch, taken),
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:

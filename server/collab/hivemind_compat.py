@@ -57,8 +57,7 @@ from hivemind.compression import (
 )
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.proto.runtime_pb2 import CompressionType
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, enter_asynchronously
 
@@ -259,10 +258,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _as_sent(self, averaged: torch.Tensor, info: CompressionInfo) -> torch.Tensor:
         """`averaged` as the senders of its part receive it: encoded with the codec of that part's tensor (one codec
-        per averager, or one per tensor with hivemind's PerTensorCompression); a part that is not finite as it is
-        (`_serialize_part`)."""
-        if not _finite(averaged):
-            return averaged
+        per averager, or one per tensor with hivemind's PerTensorCompression)."""
         compression = self.tensor_part_container.compression
         if isinstance(compression, AdaptiveCompressionBase):
             compression = compression.choose_compression(info)
@@ -366,22 +362,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was banned meanwhile: its parts are no longer needed
-                reply = await loop.run_in_executor(None, _serialize_part, averaged, compression)
+                reply = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
-
-
-def _finite(x: torch.Tensor) -> bool:
-    return bool(torch.isfinite(x).all())
-
-
-def _serialize_part(averaged: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
-    """A reduced part for its senders, with the codec they sent it in; one that is not finite (its senders' weights
-    sum to 0, as in a round where nobody had samples) goes uncompressed: hivemind's 8-bit blockwise codec turns NaN
-    into 0 (measured), and a round of NaN must fail on every peer (GradientAveraging._finite), not step on zeros."""
-    return serialize_torch_tensor(averaged, compression if _finite(averaged) else CompressionType.NONE)
 
 
 class StrictAverager(DecentralizedAverager):

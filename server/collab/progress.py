@@ -146,10 +146,12 @@ class StagePeers:
         averaged: int | None = None,
         recovering: bool = False,
         served: Sequence[pb.Admission] = (),
+        taken: tuple[int | None, Sequence[pb.Admission]] = (None, ()),
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
         last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state. `served`:
-        stage 0's admissions of the microbatches behind our count (served.py)."""
+        stage 0's admissions of the microbatches behind our count (served.py); `taken`: an earlier epoch whose round
+        we are in (delayed steps), and the admissions behind our weight in it."""
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -167,6 +169,8 @@ class StagePeers:
             averaged=averaged,
             recovering=recovering,
             served=served,
+            taken_epoch=taken[0],
+            taken=taken[1],
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         peers = list(self.peers.items())

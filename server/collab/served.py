@@ -11,14 +11,21 @@ weighs at most what its admissions prove (hivemind_compat.py `cap_weights`). An 
 peer and one epoch when:
 - a stage-0 peer signed it, over its microbatch, samples and batch (tickets.py);
 - its microbatch's Backward was not served here: a peer relaying the admissions we sent it proves nothing;
-- nobody claimed it before: an admission counts once, for the first peer that names it and the epoch it named it
-  for (a peer does not prove an epoch twice with one microbatch, nor with another peer's);
+- the peer did not name it before: an admission counts once per peer, for the first epoch it names it for (no
+  replay into a later epoch). Two peers may both name one: a Backward retried on another peer after its reply was
+  lost is in both peers' gradients; and a peer that saw an admission (in the Forward it served, or in another
+  peer's Progress) can name it without holding its gradient. Counting it for the first peer alone would let such a
+  peer take the proofs of the peer that did the Backward; counting it for neither would let it strike them out.
+  Counted for each, a copy gains its sender weight, but the group's weights together are bounded by one epoch's
+  samples (epoch.py `_epoch_total`): copies beyond that fail the round for every peer;
 - its global batch is the epoch or at most LATE_EPOCHS before it (a Backward of an ended epoch joins the next one's
   gradients). One of a later batch (admitted early) is left unclaimed: a peer reports it for its own epoch (a
   Progress sent while the peer's round runs can name the next epoch's admissions under the epoch it ends).
 An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
 microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
-weighted a little differently from the others' parts. A liar's part weighs what it served.
+weighted a little differently from the others' parts. A liar's part weighs what it served, plus the admissions it copied, within the epoch's bound. What this does not
+stop: a listed peer that ends an epoch early (`end_epoch`) when the honest peers hold few samples and copies their
+admissions still weighs as much as all of them together in that round.
 """
 
 from __future__ import annotations
@@ -38,48 +45,66 @@ SIGNER_READ_S = 1.0  # the longest a Progress waits for a read of stage 0's keys
 MAX_CLAIMED = 1 << 16  # admissions remembered as claimed (a global batch of 1024 microbatches, 64 times over)
 
 
+class ForgedAdmission(Exception):
+    """A Progress naming an admission no stage-0 peer signed: refused (epoch.py answers PERMISSION_DENIED)."""
+
+
 class Served:
     """Event loop. The samples each stage peer proved it holds, by epoch."""
 
     def __init__(self, tickets: Tickets):
         self.tickets = tickets
-        self._claimed: OrderedDict[tuple, tuple[str, int]] = OrderedDict()  # admission -> (peer id, epoch)
+        self._claimed: OrderedDict[tuple, int] = OrderedDict()  # (admission, peer id) -> the epoch it counted for
         self._proven: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples its admissions proved
         self._heard: dict[int, set[str]] = {}  # epoch -> peers whose Progress of that epoch reached us
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress) -> None:
-        """Count the admissions of an authentic Progress (its signature checked) towards its sender and epoch."""
-        epoch, peer = int(msg.epoch), msg.peer_id
-        self._heard.setdefault(epoch, set()).add(peer)
-        fresh = [a for a in msg.served if ticket_key(a) not in self._claimed]
-        if not fresh:
-            return
-        if any(a.admitted_by not in self.tickets.signers for a in fresh):
+        """Count the admissions of an authentic Progress (its signature checked) towards its sender and epoch, and
+        those of the round it is in towards that round's epoch (`taken`: its steps are delayed). Raises
+        ForgedAdmission for one whose signature does not verify (a stage-0 key signed no such admission: the sender
+        made it up): the Progress is refused, and none of its admissions counts."""
+        lists = [(int(msg.epoch), msg.served)]
+        if msg.HasField("taken_epoch"):
+            lists.append((int(msg.taken_epoch), msg.taken))
+        peer = msg.peer_id
+        if any(a.admitted_by not in self.tickets.signers for _, served in lists for a in served):
             # a stage-0 peer we have not heard of: read stage 0's records (throttled), but not for long: the sender
             # waits for our answer. An admission still unknown proves nothing now; the sender's next Progress carries
-            # it again (each carries every admission of its epoch)
+            # it again (each carries every admission of its epoch), and until then we have not heard its count
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.tickets.read_signers(), SIGNER_READ_S)
-        for a in fresh:
+        checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
+        for (epoch, _), (complete, valid) in zip(lists, checked, strict=True):
+            for key, samples in valid.items():
+                self._claimed[key, peer] = epoch
+                proven = self._proven.setdefault(epoch, {})
+                proven[peer] = proven.get(peer, 0) + samples
+            if complete and not msg.claims:  # a stage-0 claim carries a count but not its admissions
+                self._heard.setdefault(epoch, set()).add(peer)
+        while len(self._claimed) > MAX_CLAIMED:
+            self._claimed.popitem(last=False)
+
+    def _check(self, peer: str, epoch: int, served) -> tuple[bool, dict[tuple, int]]:
+        """(whether every signer was known, the samples of the admissions `served` proves for `peer` at `epoch`
+        that it has not named before)."""
+        complete, valid = True, {}
+        for a in served:
             key = ticket_key(a)
-            if key in self._claimed or key in self.tickets.spent:
+            if key in valid or (key, peer) in self._claimed or key in self.tickets.spent:
                 continue
             if not epoch - LATE_EPOCHS <= a.global_batch <= epoch:
                 continue  # a later batch's is claimed when it is counted for its own epoch
             public_key = self.tickets.signers.get(a.admitted_by)
             if public_key is None:
+                complete = False
                 continue
             signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
             if not verify(public_key, signed, a.signature):
                 self.forged += 1
-                logger.warning("%s sent an admission whose signature does not verify: not counted", peer[-6:])
-                continue
-            self._claimed[key] = peer, epoch
-            while len(self._claimed) > MAX_CLAIMED:
-                self._claimed.popitem(last=False)
-            proven = self._proven.setdefault(epoch, {})
-            proven[peer] = proven.get(peer, 0) + int(a.samples)
+                raise ForgedAdmission(f"progress: admission {a.microbatch_id[:40]!r} does not verify")
+            valid[key] = int(a.samples)
+        return complete, valid
 
     def proven(self, peer_id: str, epoch: int) -> int:
         """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
