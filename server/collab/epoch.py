@@ -39,7 +39,7 @@ from server.collab.hivemind_compat import check_version
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
-from server.collab.served import LATE_EPOCHS, ForgedAdmission, Served
+from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
 from server.collab.tickets import Ticket, Tickets
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
@@ -653,7 +653,7 @@ class StageCollaboration:
         self.phase, self._ending = Phase.ENDING, epoch
         self._stepped.clear()
         self.peers.forget_before(epoch)
-        self.served.forget_before(epoch - LATE_EPOCHS)
+        self.served.forget_before(epoch - KEEP_EPOCHS)
         if self.peers.group_size(epoch) <= 1:
             # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
             # stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30 steps). A peer with

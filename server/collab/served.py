@@ -18,9 +18,11 @@ peer and one epoch when:
   peer take the proofs of the peer that did the Backward; counting it for neither would let it strike them out.
   Counted for each, a copy gains its sender weight, but the group's weights together are bounded by one epoch's
   samples (epoch.py `_epoch_total`): copies beyond that fail the round for every peer;
-- its global batch is the epoch or at most LATE_EPOCHS before it (a Backward of an ended epoch joins the next one's
-  gradients). One of a later batch (admitted early) is left unclaimed: a peer reports it for its own epoch (a
-  Progress sent while the peer's round runs can name the next epoch's admissions under the epoch it ends).
+- its global batch is not after the epoch. One of a later batch (admitted early) is left unclaimed: a peer reports
+  it for its own epoch (a Progress sent while the peer's round runs can name the next epoch's admissions under the
+  epoch it ends). One of an earlier batch is a late Backward, which joins the current epoch's gradients whatever its
+  age: a stage-0 peer thawed after a 30 s freeze sent Backwards 40 epochs late in a soak, and a window of 2 epochs
+  capped their servers' weights at half.
 An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
 microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
 weighted a little differently from the others' parts. A liar's part weighs what it served, plus the admissions it copied, within the epoch's bound. What this does not
@@ -40,7 +42,7 @@ from server.collab.tickets import Tickets, ticket_bytes, ticket_key
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
-LATE_EPOCHS = 2  # how many epochs before the one it is counted for an admission's global batch may be
+KEEP_EPOCHS = 2  # the epochs before the current one whose proofs are kept (a delayed round's is the one before)
 SIGNER_READ_S = 1.0  # the longest a Progress waits for a read of stage 0's keys
 MAX_CLAIMED = 1 << 16  # admissions remembered as claimed (a global batch of 1024 microbatches, 64 times over)
 
@@ -93,7 +95,7 @@ class Served:
             key = ticket_key(a)
             if key in valid or (key, peer) in self._claimed or key in self.tickets.spent:
                 continue
-            if not epoch - LATE_EPOCHS <= a.global_batch <= epoch:
+            if a.global_batch > epoch:
                 continue  # a later batch's is claimed when it is counted for its own epoch
             public_key = self.tickets.signers.get(a.admitted_by)
             if public_key is None:
