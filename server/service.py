@@ -22,7 +22,7 @@ import torch
 
 from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Behind, Collaboration, ProgressRefused
-from server.collab.tickets import Ticket, TicketRefused, TicketSpent, TicketUnchecked, ticket_key
+from server.collab.tickets import Ticket, TicketRefused, TicketSpent, TicketUnchecked, admission_of, ticket_key
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker, valid_lineage
 from swarm.compression import CODECS_BY_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, TensorRole, get_codec
@@ -172,18 +172,6 @@ def _short(message: str) -> str:
 def _expect(ok: bool, message: str) -> None:
     if not ok:
         raise WireError(message)
-
-
-def _admission(meta: pb.CallMeta, samples: int) -> pb.Admission:
-    """Stage 0's admission of a Backward's microbatch, as its call carried it (checked by the collaboration)."""
-    return pb.Admission(
-        microbatch_id=meta.microbatch_id,
-        samples=samples,
-        global_batch=meta.global_batch,
-        admitted_at=meta.admitted_at,
-        admitted_by=meta.admitted_by,
-        signature=meta.admission_signature,
-    )
 
 
 def valid_admission(a: pb.Admission) -> bool:
@@ -590,7 +578,7 @@ class StageService:
             other = decode_checked(call.tensors[other_name], device, other_name, schema.bound)
             schema.check_backward(inputs, other)
             global_batch = meta.global_batch if meta.HasField("global_batch") else None
-            admission = _admission(meta, int(inputs.shape[0])) if global_batch is not None else None
+            admission = admission_of(meta, int(inputs.shape[0])) if global_batch is not None else None
             if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
                 result = self.worker.backward(inputs, labels=other, global_batch=global_batch, admission=admission)
                 assert result.loss is not None  # the last stage computes it

@@ -300,10 +300,11 @@ class StageWorker:
                 self.epoch += 1
         return grads, n
 
-    @property
-    def taken_epoch(self) -> int | None:
-        """The epoch whose gradients were taken for a round that has not ended in a step yet (None: none)."""
-        return self._taken_epoch
+    def taken_before(self, epoch: int) -> tuple[int | None, list]:
+        """Any thread: (the epoch before `epoch` whose gradients were taken for a round that has not ended in a step
+        yet, the admissions behind them), or (None, []): a delayed peer's round, while it reports the next epoch."""
+        taken, taken_epoch = self._served_taken, self._taken_epoch
+        return (taken_epoch, list(taken)) if taken_epoch is not None and taken_epoch < epoch else (None, [])
 
     def served_for(self, epoch: int) -> list:
         """Any thread: the admissions behind our weight in `epoch`'s round: those taken with its gradients (a

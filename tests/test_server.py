@@ -178,12 +178,13 @@ def test_the_admissions_behind_each_count_follow_it_from_epoch_to_epoch():
     assert w.served_for(5) == ["now", "now2", "late", "early"]
     w.take_gradients(end_epoch=True)  # delayed: the epoch moves on at once, its round runs meanwhile
     assert w.epoch == 6 and w.served_for(5) == ["now", "now2", "late", "early"] and w.served_for(6) == []
+    assert w.taken_before(6) == (5, ["now", "now2", "late", "early"]) and w.taken_before(5) == (None, [])
     w.backward(hidden, labels=labels, global_batch=6, admission="six")
     w.backward(hidden, labels=labels, global_batch=7, admission="seven")
     w.skip_to(9)  # the epochs in between had nothing here: what it holds goes on to 9
     assert w.served_for(9) == ["six", "seven"] and w.served_for(6) == []
     w.drop_gradients()
-    assert w.served_for(9) == [] and w.served_for(5) == []
+    assert w.served_for(9) == [] and w.served_for(5) == [] and w.taken_before(9) == (None, [])
 
 
 def test_control_jobs_run_before_waiting_requests():

@@ -346,9 +346,9 @@ class StageCollaboration:
         while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
             epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
             served = worker.served_for(epoch)  # the admissions behind our count (served.py)
-            taken_epoch = worker.taken_epoch  # ... and behind our weight in the round we are in, if of an earlier epoch
-            taken_epoch = taken_epoch if taken_epoch is not None and taken_epoch < epoch else None
-            taken = worker.served_for(taken_epoch) if taken_epoch is not None else []
+            taken = worker.taken_before(
+                epoch
+            )  # ... and behind our weight in the round we are in, if of an earlier epoch
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending
@@ -362,7 +362,7 @@ class StageCollaboration:
             averaged=self._averaged,
             recovering=self.phase is Phase.RECOVERING,
             served=served,
-            taken=(taken_epoch, taken),
+            taken=taken,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:

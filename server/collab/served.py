@@ -25,9 +25,10 @@ peer and one epoch when:
   capped their servers' weights at half.
 An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
 microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
-weighted a little differently from the others' parts. A liar's part weighs what it served, plus the admissions it copied, within the epoch's bound. What this does not
-stop: a listed peer that ends an epoch early (`end_epoch`) when the honest peers hold few samples and copies their
-admissions still weighs as much as all of them together in that round.
+weighted a little differently from the others' parts. A liar's part weighs what it served, plus the admissions it
+copied, within the epoch's bound. What this does not stop: a listed peer that ends an epoch early (`end_epoch`) when
+the honest peers hold few samples and copies their admissions still weighs as much as all of them together in that
+round.
 """
 
 from __future__ import annotations

@@ -62,6 +62,18 @@ def ticket_key(meta: pb.CallMeta | pb.Admission) -> tuple[str, str, int, int]:
     return meta.admitted_by, meta.microbatch_id, meta.global_batch, meta.admitted_at
 
 
+def admission_of(meta: pb.CallMeta, samples: int) -> pb.Admission:
+    """A call's admission of its microbatch of `samples`, as a Progress carries it (server/collab/served.py)."""
+    return pb.Admission(
+        microbatch_id=meta.microbatch_id,
+        samples=samples,
+        global_batch=meta.global_batch,
+        admitted_at=meta.admitted_at,
+        admitted_by=meta.admitted_by,
+        signature=meta.admission_signature,
+    )
+
+
 def ticket_bytes(microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> bytes:
     """What stage 0 signs: its admission of one microbatch."""
     return f"swarm-admission/v{PROTOCOL_VERSION}\0{microbatch_id}\0{samples}\0{global_batch}\0{admitted_at}".encode()
