@@ -24,12 +24,17 @@ class ThrottledRead:
         self.fetch, self.interval, self.timeout = fetch, interval, timeout
         self._task: asyncio.Future | None = None
         self._started = 0.0
+        self.read_at = float("-inf")  # when the last read that completed began (monotonic)
 
     async def __call__(self) -> bool:
         if self._task is None or (self._task.done() and time.monotonic() - self._started > self.interval):
             self._started = time.monotonic()
-            self._task = asyncio.ensure_future(self.fetch())
+            self._task = asyncio.ensure_future(self._fetch(self._started))
             self._task.add_done_callback(_retrieve)  # a read that fails after every caller gave up is not an error
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._task), self.timeout)
         return self._task.done() and not self._task.cancelled() and self._task.exception() is None
+
+    async def _fetch(self, started: float) -> None:
+        await self.fetch()
+        self.read_at = max(self.read_at, started)

@@ -81,6 +81,19 @@ def run_swarm(
     return read_records(tmp / name), weights
 
 
+def swarm_warnings(folder: Path, limit: int = 40) -> str:
+    """The servers' own warnings (failed rounds, capped weights, skipped tied steps), for an assertion's message: a
+    swarm that left one process in CI is diagnosed from them, its folder gone with the run."""
+    pattern = re.compile(r" (WARN|WARNING) server\.| admissions prove | does not step")
+    lines = [
+        f"{path.stem}: {line[:240]}"
+        for path in sorted(folder.glob("server-*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if pattern.search(line) and "attempt failed" not in line
+    ]
+    return "\n".join(lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else []))
+
+
 def single_process_reference(records: list[dict], tied: bool = False) -> list[float]:
     """The swarm's training in one process: the same microbatches (each trainer's data stream, seed = its index),
     grouped into the same global batches (stage 0 admits each microbatch into one), one AdamW step per global batch.
@@ -135,8 +148,8 @@ def test_many_trainers_train_like_one_process_and_8bit_stays_close(tmp_path):
     # rounding noise grows chaotically with training (the one-process run with 1e-7 relative noise on its gradients
     # drifts 1e-7 in 20 steps and 5e-4 by step 46, measured). A failed hivemind round costs the samples of the peers
     # that copy the stage's reference instead (tests/test_collab_failures.py), up to 1e-2 on later steps.
-    assert max(early) < 1e-3
-    assert sum(rel) / len(rel) < 1e-2
+    assert max(early) < 1e-3, f"the servers warned:\n{swarm_warnings(tmp_path / 'exact')}"
+    assert sum(rel) / len(rel) < 1e-2, f"the servers warned:\n{swarm_warnings(tmp_path / 'exact')}"
 
     for s in range(3):  # the exact all-reduce hands every peer the same average: peers stay bitwise equal
         a, b = weights[(s, 0)], weights[(s, 1)]
@@ -173,7 +186,8 @@ def test_tied_embeddings_train_like_one_process_with_one_weight(tmp_path):
     ref = single_process_reference(records, tied=True)
     rel = [abs(r["loss"] - b) / b for r, b in zip(records, ref, strict=True)]
     print(f"\ntied embeddings: relative loss difference to one process: max {max(rel):.2e} over {epochs} steps")
-    assert max(rel) < 1e-3
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    assert max(rel) < 1e-3, f"worst at {records[worst]}; the servers warned:\n{swarm_warnings(tmp_path / 'tied')}"
     copies = [weights[(0, r)]["embed.weight"] for r in range(2)] + [weights[(2, r)]["head.weight"] for r in range(2)]
     gap = max((c - copies[0]).abs().max().item() for c in copies)
     trained = (copies[0] - embedding_init(model_config("local_debug", **MODEL_FLAGS))).abs().max().item()

@@ -3,12 +3,14 @@ round. Stage 0's keys come from a stand-in for the DHT read (the signatures are 
 
 from __future__ import annotations
 
+import asyncio
+import time
 import types
 
 import pytest
 
 from dht.identity import Identity
-from server.collab.served import ForgedAdmission, Served
+from server.collab.served import SIGNER_READ_S, ForgedAdmission, Served
 from server.collab.tickets import Tickets, ticket_bytes, ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION
@@ -81,16 +83,17 @@ async def test_a_peer_we_have_heard_nothing_from_for_an_epoch_weighs_a_microbatc
     parts of the round 0/0. A peer with a Progress of that epoch weighs what it proved, nothing if it proved
     nothing."""
     assert served.cap("b", 5, unheard=64.0) == 64.0
-    claim = progress("b", 5)
-    claim.claims = True  # a stage-0 claim: a count without its admissions
-    await served.prove(claim)
     unknown = admission("unknown", 5)
-    unknown.admitted_by = Identity().peer_id  # a signer stage 0's records do not list (yet)
+    unknown.admitted_by = Identity().peer_id  # a signer stage 0's records do not list
     await served.prove(progress("b", 5, unknown))
+    assert served.cap("b", 5, unheard=64.0) == 64.0
+    await served.settle(5)  # read stage 0 again: still unknown, so it proves nothing
     assert served.cap("b", 5, unheard=64.0) == 64.0
     await served.prove(progress("b", 5))
     assert served.cap("b", 5, unheard=64.0) == 0.0
-    await served.prove(progress("b", 5, admission("m1", 5)))
+    claim = progress("b", 5, admission("m1", 5))
+    claim.claims = True  # a stage-0 claim carries the admissions behind its count, as any Progress does
+    await served.prove(claim)
     assert served.cap("b", 5, unheard=64.0) == 4.0
     served.forget_before(6)
     assert served.cap("b", 5, unheard=64.0) == 64.0
@@ -105,3 +108,63 @@ async def test_a_delayed_peer_proves_the_round_it_is_in_while_it_reports_the_nex
     await served.prove(msg)
     assert (served.proven("b", 5), served.proven("b", 6)) == (8, 4)
     assert served.cap("b", 5, unheard=64.0) == 8.0
+
+
+async def test_an_admission_whose_signer_we_read_late_counts_before_the_round():
+    """A stage-0 peer that joined after our last read of stage 0 signs a microbatch whose gradient a stage peer
+    holds. Its Progress reaches us before our read lists that signer: the admission proves nothing yet, and our part
+    would weigh that peer below its samples (the tied swarm test left one process by 1.5e-2 in CI that way). Before
+    the round (`settle`) we read stage 0 again and count it; a signer still unlisted then proves nothing."""
+    joiner = Identity()
+    listed = [STAGE0]
+    reads: list[float] = []
+
+    async def discover(stage: int, include_pending: bool = False):
+        reads.append(stage)
+        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
+
+    served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    await served.prove(progress("b", 5, admission("m1", 5)))
+    late = admission("m2", 5, signer=joiner)
+    late.admitted_by = joiner.peer_id
+    await served.prove(progress("b", 5, admission("m1", 5), late))  # read: the joiner's record is not there yet
+    assert served.cap("b", 5, unheard=64.0) == 4.0
+    stranger = admission("m3", 5, signer=Identity())
+    stranger.admitted_by = Identity().peer_id
+    await served.prove(progress("c", 5, stranger))
+    listed.append(joiner)  # its record is in the DHT now
+    before = len(reads)
+    await served.settle(5)
+    assert len(reads) == before + 1  # one read for both
+    assert served.cap("b", 5, unheard=64.0) == 8.0
+    assert served.cap("c", 5, unheard=64.0) == 64.0  # heard of nothing we could check: a microbatch at most
+    await served.settle(6)  # no admission of epoch 6 waits: no read
+    assert len(reads) == before + 1
+
+
+async def test_a_forgery_found_when_its_signer_is_read_counts_nothing_and_waiting_is_bounded():
+    joiner = Identity()
+    listed = [STAGE0]
+
+    async def discover(stage: int, include_pending: bool = False):
+        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
+
+    served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    await served.prove(progress("b", 5, admission("m1", 5)))
+    forged = admission("m2", 5, signer=Identity())  # names the joiner, signed by someone else
+    forged.admitted_by = joiner.peer_id
+    await served.prove(progress("b", 5, admission("m1", 5), forged))
+    listed.append(joiner)
+    await served.settle(5)
+    assert served.cap("b", 5, unheard=64.0) == 4.0 and served.forged == 1
+
+    async def frozen(stage: int, include_pending: bool = False):
+        await asyncio.sleep(3600)  # a DHT that never answers
+        return []
+
+    slow = Served(Tickets(types.SimpleNamespace(discover=frozen), timeout=30.0))
+    t0 = time.monotonic()
+    await slow.prove(progress("b", 5, forged))
+    await slow.settle(5)
+    assert time.monotonic() - t0 < 2 * SIGNER_READ_S + 1.0
+    assert slow.cap("b", 5, unheard=64.0) == 64.0

@@ -432,8 +432,10 @@ class StageCollaboration:
         frozen peer holds the claim for --peer-timeout, and an unanswered Forward looks like a dead peer to the
         trainer: a ban, and a doubled deadline)."""
         if self._claiming is None or self._claiming[0] != epoch or self._claiming[1].done():
-            samples = self.worker.samples_accumulated if self.epoch == epoch else 0
-            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch), self._most_samples())
+            current = self.epoch == epoch
+            samples = self.worker.samples_accumulated if current else 0
+            served = self.worker.served_for(epoch) if current else []  # read after the count: covers it
+            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch), self._most_samples(), served)
             self._claiming = epoch, asyncio.ensure_future(claim)
         try:
             return await asyncio.wait_for(asyncio.shield(self._claiming[1]), timeout)
@@ -654,6 +656,7 @@ class StageCollaboration:
         self._stepped.clear()
         self.peers.forget_before(epoch)
         self.served.forget_before(epoch - KEEP_EPOCHS)
+        await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: our round's caps
         if self.peers.group_size(epoch) <= 1:
             # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
             # stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30 steps). A peer with

@@ -33,9 +33,8 @@ round.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+import time
 from collections import OrderedDict
 
 from dht.identity import verify
@@ -46,6 +45,8 @@ logger = logging.getLogger(__name__)
 KEEP_EPOCHS = 2  # the epochs before the current one whose proofs are kept (a delayed round's is the one before)
 SIGNER_READ_S = 1.0  # the longest a Progress waits for a read of stage 0's keys
 MAX_CLAIMED = 1 << 16  # admissions remembered as claimed (a global batch of 1024 microbatches, 64 times over)
+MAX_UNCHECKED = 4096  # admissions of unknown signers kept to check again, per peer and epoch
+MAX_UNCHECKED_PROGRESS = 256  # (peer, epoch) pairs with such admissions (a liar may name far epochs)
 
 
 class ForgedAdmission(Exception):
@@ -60,6 +61,8 @@ class Served:
         self._claimed: OrderedDict[tuple, int] = OrderedDict()  # (admission, peer id) -> the epoch it counted for
         self._proven: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples its admissions proved
         self._heard: dict[int, set[str]] = {}  # epoch -> peers whose Progress of that epoch reached us
+        # (epoch, peer id) -> (when we last looked for their signers, its admissions whose signer we did not know)
+        self._unchecked: OrderedDict[tuple[int, str], tuple[float, dict[tuple, pb.Admission]]] = OrderedDict()
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress) -> None:
@@ -70,28 +73,68 @@ class Served:
         lists = [(int(msg.epoch), msg.served)]
         if msg.HasField("taken_epoch"):
             lists.append((int(msg.taken_epoch), msg.taken))
-        peer = msg.peer_id
+        peer, arrived = msg.peer_id, time.monotonic()
         if any(a.admitted_by not in self.tickets.signers for _, served in lists for a in served):
-            # a stage-0 peer we have not heard of: read stage 0's records (throttled), but not for long: the sender
-            # waits for our answer. An admission still unknown proves nothing now; the sender's next Progress carries
-            # it again (each carries every admission of its epoch), and until then we have not heard its count
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.tickets.read_signers(), SIGNER_READ_S)
+            # a stage-0 peer we have not heard of: read stage 0's records, but not for long: the sender waits for our
+            # answer. An admission still unknown proves nothing now; it is checked again before the round (`settle`)
+            await self.tickets.read_signers_since(arrived, SIGNER_READ_S)
         checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
-        for (epoch, _), (complete, valid) in zip(lists, checked, strict=True):
-            for key, samples in valid.items():
-                self._claimed[key, peer] = epoch
-                proven = self._proven.setdefault(epoch, {})
-                proven[peer] = proven.get(peer, 0) + samples
-            if complete and not msg.claims:  # a stage-0 claim carries a count but not its admissions
+        for (epoch, _), (valid, unknown) in zip(lists, checked, strict=True):
+            self._count(peer, epoch, valid)
+            if unknown:
+                pending = self._unchecked.pop((epoch, peer), (0.0, {}))[1]  # to the end: the latest
+                pending.update(list(unknown.items())[: MAX_UNCHECKED - len(pending)])
+                self._unchecked[epoch, peer] = time.monotonic(), pending
+                while len(self._unchecked) > MAX_UNCHECKED_PROGRESS:
+                    self._unchecked.pop(next(iter(self._unchecked)))
+            else:
+                self._recheck(peer, epoch)  # an earlier message's signer may be known now
                 self._heard.setdefault(epoch, set()).add(peer)
+
+    async def settle(self, epoch: int) -> None:
+        """Event loop, before `epoch`'s round: check the admissions of `epoch` whose signer we did not know when their
+        Progress came (a stage-0 peer whose record our read did not see yet, or a read that took longer than the
+        sender could wait) against a read of stage 0 begun after we last looked, waited for SIGNER_READ_S at most. Without this an honest peer's last admissions counted for nothing in our parts, and the round
+        weighed its part below its samples (the tied swarm test left one process by 1.5e-2 in CI)."""
+        pending = {key: value for key, value in self._unchecked.items() if key[0] == epoch}
+        if not pending:
+            return
+        await self.tickets.read_signers_since(max(since for since, _ in pending.values()), SIGNER_READ_S)
+        for _, peer in pending:
+            self._recheck(peer, epoch)
+
+    def _recheck(self, peer: str, epoch: int) -> None:
+        """Count the admissions of `peer` at `epoch` whose signer we did not know, for those we know now; once none
+        is left, its count is heard. A signer stage 0 does not list stays unknown: its admissions prove nothing, and
+        its sender is heard once a Progress of its names only signers we know."""
+        entry = self._unchecked.get((epoch, peer))
+        if entry is None:
+            return
+        try:
+            valid, unknown = self._check(peer, epoch, list(entry[1].values()))
+        except ForgedAdmission as e:  # its Progress was taken then; none of its unchecked admissions counts
+            logger.warning("stage peer %s: %s; its part weighs what it proved otherwise", peer[-6:], e)
+            valid, unknown = {}, {}
+        self._count(peer, epoch, valid)
+        entry[1].clear()
+        entry[1].update(unknown)
+        if not unknown:
+            del self._unchecked[epoch, peer]
+            self._heard.setdefault(epoch, set()).add(peer)
+
+    def _count(self, peer: str, epoch: int, valid: dict[tuple, int]) -> None:
+        for key, samples in valid.items():
+            self._claimed[key, peer] = epoch
+            proven = self._proven.setdefault(epoch, {})
+            proven[peer] = proven.get(peer, 0) + samples
         while len(self._claimed) > MAX_CLAIMED:
             self._claimed.popitem(last=False)
 
-    def _check(self, peer: str, epoch: int, served) -> tuple[bool, dict[tuple, int]]:
-        """(whether every signer was known, the samples of the admissions `served` proves for `peer` at `epoch`
-        that it has not named before)."""
-        complete, valid = True, {}
+    def _check(self, peer: str, epoch: int, served) -> tuple[dict[tuple, int], dict[tuple, pb.Admission]]:
+        """(the samples of the admissions `served` proves for `peer` at `epoch` that it has not named before, those
+        whose signer we do not know)."""
+        valid: dict[tuple, int] = {}
+        unknown: dict[tuple, pb.Admission] = {}
         for a in served:
             key = ticket_key(a)
             if key in valid or (key, peer) in self._claimed or key in self.tickets.spent:
@@ -100,14 +143,14 @@ class Served:
                 continue  # a later batch's is claimed when it is counted for its own epoch
             public_key = self.tickets.signers.get(a.admitted_by)
             if public_key is None:
-                complete = False
+                unknown[key] = a
                 continue
             signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
             if not verify(public_key, signed, a.signature):
                 self.forged += 1
                 raise ForgedAdmission(f"progress: admission {a.microbatch_id[:40]!r} does not verify")
             valid[key] = int(a.samples)
-        return complete, valid
+        return valid, unknown
 
     def proven(self, peer_id: str, epoch: int) -> int:
         """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
@@ -128,3 +171,5 @@ class Served:
             del self._proven[old]
         for old in [e for e in self._heard if e < epoch]:
             del self._heard[old]
+        for key in [k for k in self._unchecked if k[0] < epoch]:
+            del self._unchecked[key]
