@@ -12,7 +12,6 @@ peer (swarm/protocol/p2p.py `path_of`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -20,13 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from hivemind.p2p import PeerID
-
 from dht.node import start_dht
 from swarm.protocol import p2p as p2p_transport
 
 CALL_BYTES = 1 << 20
-REDIAL_S = 30.0  # a call still relayed after this long is dialled afresh (below)
 
 
 async def _wait_for(path: Path) -> str:
@@ -69,7 +65,6 @@ async def main(role: str, host: str, directory: Path) -> None:
 
     home = await _wait_for(directory / "home")
     stub = p2p_transport.P2PStub(get_p2p, home)
-    dialled = time.monotonic()
     while True:
         payload, started = os.urandom(CALL_BYTES), time.monotonic()
         try:
@@ -80,13 +75,6 @@ async def main(role: str, host: str, directory: Path) -> None:
         addresses = [a for info in await p2p.list_peers() if str(info.peer_id) == home for a in info.addrs]
         path = p2p_transport.path_of(addresses)
         print(json.dumps({**outcome, "path": path}), flush=True)
-        if path.startswith("through relay") and time.monotonic() - dialled > REDIAL_S:
-            # libp2p tries to punch through the NAT once, when the relayed connection opens: if the home node's
-            # address was not confirmed yet (its observers still meeting it), the call stays relayed for good.
-            # A fresh relayed connection tries again (the CI failure of stop 39: relayed for all of 150 s)
-            with contextlib.suppress(Exception):
-                await p2p._client.disconnect(PeerID.from_base58(home))
-            dialled = time.monotonic()
         await asyncio.sleep(1.0)
 
 

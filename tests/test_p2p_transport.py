@@ -3,8 +3,10 @@ garbage and private swarms' proofs."""
 
 import asyncio
 import functools
+import logging
 import re
 import time
+import types
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from hivemind.p2p import PeerID
 
 from dht.node import start_dht
 from dht.records import ServerRecord
+from swarm.protocol import p2p as p2p_transport
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import SwarmKey
 from swarm.protocol.p2p import MESSAGE, P2PStub, circuit_through, handler_name, path_of, serve
@@ -254,6 +257,72 @@ def test_a_callers_log_says_whether_it_reaches_a_peer_directly_or_through_a_rela
     assert path_of([f"{relay}/p2p-circuit"]) == f"through relay {relay}"
     assert path_of(["/ip4/11.0.0.2/tcp/5000", f"{relay}/p2p-circuit"]) == "directly at /ip4/11.0.0.2/tcp/5000"
     assert path_of([]) == "not connected"
+
+
+class _RelayedDaemon:
+    """A caller's daemon, as `p2p._watch_path` sees it: how it is connected to one peer, and its disconnects. The
+    k-th connection after a disconnect (a call dialling the peer afresh) is direct if k is in `punched_on`."""
+
+    def __init__(self, peer: str, punched_on: set[int]):
+        self.peer, self.punched_on, self.redials = peer, punched_on, 0
+        self.disconnected_at = 0.0
+        self.addrs = ["/ip4/11.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"]
+        self._client = self  # p2p._client.disconnect
+
+    async def list_peers(self):
+        return [types.SimpleNamespace(peer_id=self.peer, addrs=list(self.addrs))]
+
+    async def disconnect(self, peer) -> None:
+        assert str(peer) == self.peer
+        self.redials += 1
+        self.addrs = []
+        self.disconnected_at = time.monotonic()
+
+    def call_again(self) -> None:
+        """The next call dials the peer: through the relay, then directly if the hole opens this time."""
+        if not self.addrs:
+            direct = self.redials in self.punched_on
+            self.addrs = ["/ip4/11.0.0.9/tcp/5000"] if direct else ["/ip4/11.0.0.1/tcp/4001/p2p/QmRelay/p2p-circuit"]
+
+
+async def test_a_peer_still_relayed_is_dialled_afresh_when_idle_until_the_hole_opens(monkeypatch, caplog):
+    """libp2p punches through a NAT once, as a relayed connection opens (CI saw a caller stay relayed for 150 s):
+    a path still relayed REDIAL_S after the dial is closed once no call of ours uses it, so the next call dials
+    again; never while a call is under way, MAX_REDIALS times at most, and no more once the path is direct."""
+    for name, value in {"HOLE_PUNCH_S": 0.01, "REDIAL_S": 0.05, "IDLE_WAIT_S": 0.1, "PATH_CHECK_S": 5.0}.items():
+        monkeypatch.setattr(p2p_transport, name, value)
+    caplog.set_level(logging.INFO, logger="swarm.protocol.p2p")
+
+    async def watch(daemon: _RelayedDaemon, busy: bool = False) -> None:
+        peer = daemon.peer
+        if busy:
+            p2p_transport._calls[peer] = 1
+        task = asyncio.create_task(p2p_transport._watch_path(daemon, PeerID.from_base58(peer)))
+        while not task.done():
+            await asyncio.sleep(0.005)
+            daemon.call_again()
+            if busy and time.monotonic() - started > 0.5:
+                busy = False
+                p2p_transport._calls.pop(peer, None)  # the call ended
+        await task
+
+    peer = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+    started = time.monotonic()
+    punched = _RelayedDaemon(peer, punched_on={2})
+    await asyncio.wait_for(watch(punched), 10)
+    assert punched.redials == 2 and punched.addrs == ["/ip4/11.0.0.9/tcp/5000"]
+    assert f"reaching {peer} over libp2p directly at /ip4/11.0.0.9/tcp/5000" in caplog.text
+
+    never = _RelayedDaemon(peer, punched_on=set())  # a NAT no hole goes through: the relay stays the way
+    await asyncio.wait_for(watch(never), 10)
+    assert never.redials == p2p_transport.MAX_REDIALS
+
+    started = time.monotonic()
+    busy = _RelayedDaemon(peer, punched_on={1})
+    await asyncio.wait_for(watch(busy, busy=True), 10)
+    assert busy.redials == 1
+    assert busy.disconnected_at - started >= 0.5  # not while the call ran
+    assert "dialling it afresh for a direct path" in caplog.text
 
 
 def test_a_relay_address_is_the_relays_own_with_p2p_circuit_and_a_bare_peer_id():

@@ -13,7 +13,9 @@ a client-mode DHT node (a trainer's): when routing fails, the caller dials the s
 bootstrap peers (`RELAYS`, set by `SwarmDHT.start`) as a relay, then calls again. The daemon punches a hole through
 the server's NAT (DCUtR) as the relayed connection opens, once the server knows its public address (peers at 4
 addresses saw it there); otherwise the connection stays relayed, capped in time and bytes by the relay (30 min and
-4 GiB a direction on a relay that dht/relay.py checked; libp2p's defaults, 2 min and 128 KiB, elsewhere).
+4 GiB a direction on a relay that dht/relay.py checked; libp2p's defaults, 2 min and 128 KiB, elsewhere). A caller
+still relayed REDIAL_S after it dialled closes the connection when no call uses it, and its next call dials again
+(another punch), up to MAX_REDIALS times (`_watch_path`).
 
 One libp2p stream per call: the caller sends a first `P2PCall` with its deadline and proof, then one per request
 frame; the server answers one per reply frame, and a failed call ends with one carrying a gRPC status code and its
@@ -58,8 +60,12 @@ RELAYS: list[str] = []
 REFUSALS = access.Refusals()  # calls refused for want of the private swarm's key
 HOLE_PUNCH_S = 5.0  # when a relayed path is looked at again: a punched hole replaces it right after it opens
 PATH_CHECK_S = 60.0  # how often a caller looks again at how it reaches a peer (directly or relayed), and logs changes
+REDIAL_S = 30.0  # a peer we still reach through a relay this long after dialling it is dialled afresh (`_watch_path`)
+MAX_REDIALS = 4  # ... this many times in a row at most: some NATs let no hole through, and the relay is the way
+IDLE_WAIT_S = 10.0  # how long a redial waits for the calls under way to the peer to end (it closes their connection)
 _paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
-_checks: set[asyncio.Task] = set()  # running path checks (asyncio keeps only weak references to tasks)
+_checks: dict[str, asyncio.Task] = {}  # running path checks, by peer (asyncio keeps only weak references to tasks)
+_calls: dict[str, int] = {}  # peer -> our calls to it under way
 
 
 class _Maddr:
@@ -118,13 +124,12 @@ async def _open(p2p, peer, name: str):
         logger.info("dialled %s through relay %s", peer, relay)
         stream = await p2p.call_binary_stream_handler(peer, name)
     looked, path = _paths.get(str(peer), (-math.inf, ""))
-    if time.monotonic() - looked > PATH_CHECK_S:
+    if time.monotonic() - looked > PATH_CHECK_S and str(peer) not in _checks:
         if len(_paths) >= 4096:  # peers of a long run: forget them all (each path is logged again once)
             _paths.clear()
         _paths[str(peer)] = (time.monotonic(), path)
-        task = asyncio.create_task(_log_path(p2p, peer))
-        _checks.add(task)
-        task.add_done_callback(_checks.discard)
+        _checks[str(peer)] = task = asyncio.create_task(_watch_path(p2p, peer))
+        task.add_done_callback(lambda _: _checks.pop(str(peer), None))
     return stream
 
 
@@ -137,20 +142,47 @@ def path_of(addresses: Iterable[object]) -> str:
     return f"through relay {', '.join(sorted(relayed))}" if relayed else "not connected"
 
 
-async def _log_path(p2p, peer) -> None:
-    """Logs how we reach `peer` when that changed since we last looked (the first time, too). A relayed path is
+async def _look(p2p, peer) -> str | None:
+    """How our daemon reaches `peer` now (logged when that changed since we last looked); None if it cannot say."""
+    try:
+        conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
+    except Exception:  # a daemon that went away: the calls themselves say so
+        return None
+    path = path_of([a for addrs in conns for a in addrs])
+    if path != _paths.get(str(peer), (0.0, ""))[1] and path != "not connected":
+        logger.info("reaching %s over libp2p %s", peer, path)
+    _paths[str(peer)] = (time.monotonic(), path)
+    return path
+
+
+async def _watch_path(p2p, peer) -> None:
+    """Logs how we reach `peer` (the first time, and when it changes) while it is through a relay. A relayed path is
     looked at again HOLE_PUNCH_S later: libp2p's hole punching (DCUtR) replaces a relayed connection with a direct
-    one right after it opens, when the peer behind NAT knows its public address."""
-    for pause in (0.0, HOLE_PUNCH_S):
-        await asyncio.sleep(pause)
-        with contextlib.suppress(Exception):  # a daemon that went away: the call itself says so
-            conns = [info.addrs for info in await p2p.list_peers() if str(info.peer_id) == str(peer)]
-            path = path_of([a for addrs in conns for a in addrs])
-            if path != _paths.get(str(peer), (0.0, ""))[1]:
-                _paths[str(peer)] = (time.monotonic(), path)
-                logger.info("reaching %s over libp2p %s", peer, path)
-            if not path.startswith("through relay"):
-                return
+    one right after it opens, when the peer behind NAT knows its public address. It tries once per connection: a
+    peer that did not know its address yet (the peers that tell it were still meeting it) stays relayed for good,
+    through a relay capped in time and bytes (CI saw a caller relayed for all of 150 s). So a path still relayed
+    REDIAL_S later is closed once no call of ours is using it, and the next call dials the peer afresh, through the
+    relay and then, if the hole opens, directly; MAX_REDIALS times at most."""
+    path, redials, dialled = await _look(p2p, peer), 0, time.monotonic()
+    while path is not None and path.startswith(("through relay", "not connected")):
+        await asyncio.sleep(HOLE_PUNCH_S)
+        path = await _look(p2p, peer)
+        if path == "not connected" and time.monotonic() - dialled < PATH_CHECK_S:
+            continue  # closed by us (or by the relay's limits): the next call dials it
+        if path is None or not path.startswith("through relay") or redials >= MAX_REDIALS:
+            return
+        if time.monotonic() - dialled < REDIAL_S:
+            continue
+        idle_by = time.monotonic() + IDLE_WAIT_S
+        while _calls.get(str(peer), 0) and time.monotonic() < idle_by:
+            await asyncio.sleep(0.2)
+        if _calls.get(str(peer), 0):
+            continue  # busy all along: a call under way would break with the connection; look again later
+        redials, dialled = redials + 1, time.monotonic()
+        logger.info("still reaching %s through a relay: dialling it afresh for a direct path (%d of %d)",
+                    peer, redials, MAX_REDIALS)  # fmt: skip
+        with contextlib.suppress(Exception):
+            await p2p._client.disconnect(peer)
 
 
 def handler_name(method: str) -> str:
@@ -379,6 +411,7 @@ class P2PStub:
             raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
         sending = asyncio.ensure_future(send(writer))
         sending.add_done_callback(_retrieved)  # a send that failed shows as a reply that never ends
+        _calls[self.peer_id] = _calls.get(self.peer_id, 0) + 1  # a redial waits for it (`_watch_path`)
         try:
             while True:
                 try:  # replies are read with the same cap as requests: a server cannot make us reserve more
@@ -395,6 +428,8 @@ class P2PStub:
                     return
                 yield reply.frame
         finally:
+            if (calls := _calls.pop(self.peer_id, 1) - 1) > 0:
+                _calls[self.peer_id] = calls
             sending.cancel()
             writer.close()  # the server stops holding the stream
 
