@@ -10,6 +10,7 @@ import types
 import pytest
 
 from dht.identity import Identity
+from server.collab.progress import StagePeers
 from server.collab.served import SIGNER_READ_S, ForgedAdmission, Served
 from server.collab.tickets import Tickets, ticket_bytes, ticket_key
 from swarm.protocol import wire_pb2 as pb
@@ -48,7 +49,7 @@ def served() -> Served:
 async def test_admissions_signed_by_stage_zero_prove_their_samples_once_per_peer(served):
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2)))
     assert served.proven("b", 5) == 6
-    # each Progress carries every admission of its epoch: the same ones again prove nothing more
+    # a Progress may carry admissions it carried before (a receiver that restarted gets them all): they prove nothing more
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2), admission("m3", 5)))
     assert served.proven("b", 5) == 10
     # nor for a later epoch of the same peer
@@ -168,3 +169,48 @@ async def test_a_forgery_found_when_its_signer_is_read_counts_nothing_and_waitin
     await slow.settle(5)
     assert time.monotonic() - t0 < 2 * SIGNER_READ_S + 1.0
     assert slow.cap("b", 5, unheard=64.0) == 64.0
+
+
+async def test_a_progress_carries_only_the_admissions_a_peer_does_not_hold_yet():
+    """Each Progress used to carry every admission of its epoch: M backwards an epoch sent M(M+1)/2 admissions to
+    each peer (~430 bytes each). A receiver's answer says how many of the sender's it holds, and the sender's next
+    messages leave those out; one that holds fewer than it was sent (it restarted) gets them all again. Its part
+    weighs the same either way."""
+    sender = Identity()
+    sdht = types.SimpleNamespace(identity=sender, peer_id=sender.peer_id, p2p=None)
+    peers = StagePeers(sdht, stage=1, peer_timeout=1.0)
+    receivers = {"r1": _receiver(), "r2": _receiver()}
+    peers.peers.update({name: f"127.0.0.1:{port}" for port, name in enumerate(receivers, start=1)})
+    carried: list[int] = []
+
+    async def send(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
+        carried.append(len(msg.served))
+        served = receivers[peer_id]
+        await served.prove(msg)
+        return pb.ProgressAck(epoch=msg.epoch, served_held=served.held(msg.peer_id, int(msg.epoch)))
+
+    peers._send = send  # type: ignore[method-assign]
+    admissions = [admission(f"m{i}", 5) for i in range(8)]
+    for n in range(1, 5):
+        await peers.broadcast(5, 4 * n, False, served=admissions[:n])
+    assert carried == [1, 1, 1, 1, 1, 1, 1, 1]  # one new admission per message, to each of the two peers
+    assert all(served.cap(sender.peer_id, 5, unheard=64.0) == 16.0 for served in receivers.values())
+
+    receivers["r2"] = _receiver()  # r2 restarted: it holds nothing of ours
+    carried.clear()
+    await peers.broadcast(5, 20, False, served=admissions[:5])
+    await peers.broadcast(5, 24, False, served=admissions[:6])
+    assert carried == [1, 1, 6, 6]  # told it holds 1 of 5, we send all six again (to r1 too: one signed message)
+    assert [served.cap(sender.peer_id, 5, unheard=64.0) for served in receivers.values()] == [24.0, 24.0]
+
+    carried.clear()
+    await peers.broadcast(6, 4, False, served=[admission("n0", 6)])  # a new epoch: nobody holds any of it yet
+    await peers.broadcast(6, 4, False, served=[admission("n0", 6)])
+    assert carried == [1, 1, 0, 0]
+
+
+def _receiver() -> Served:
+    async def discover(stage: int, include_pending: bool = False):
+        return [types.SimpleNamespace(peer_id=STAGE0.peer_id, public_key=STAGE0.public_key)]
+
+    return Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))

@@ -309,10 +309,11 @@ class StageCollaboration:
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         self._admission.set()
+        held = self.served.held(msg.peer_id, int(msg.epoch))
         if not msg.claims:
-            return pb.ProgressAck(epoch=self.epoch)
+            return pb.ProgressAck(epoch=self.epoch, served_held=held)
         admitted, admitted_next = self.admission.counts(int(msg.epoch))  # from here on we count the claimant's share
-        return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next)
+        return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next, served_held=held)
 
     def _most_samples(self) -> int:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""

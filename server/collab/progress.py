@@ -20,6 +20,7 @@ import grpc
 
 from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
+from server.collab.tickets import ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 from swarm.tasks import cancelled_here
@@ -52,6 +53,8 @@ class StagePeers:
         self._channels = Channels(sdht.p2p)
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
+        # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
+        self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
 
     @staticmethod
     def forged(msg: pb.StageProgress) -> str | None:
@@ -150,8 +153,14 @@ class StagePeers:
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
         last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state. `served`:
-        stage 0's admissions of the microbatches behind our count (served.py); `taken`: an earlier epoch whose round
-        we are in (delayed steps), and the admissions behind our weight in it."""
+        stage 0's admissions of the microbatches behind our count (served.py), of which the message carries those
+        some peer has not said it holds; `taken`: an earlier epoch whose round we are in (delayed steps), and the
+        admissions behind our weight in it."""
+        peers = list(self.peers.items())
+        keys = [ticket_key(a) for a in served]
+        held = {peer_id: self._held_by(peer_id, epoch) for peer_id, _ in peers}
+        lacking = {k for k in keys if any(k not in h for h in held.values())}
+        served = [a for a, k in zip(served, keys, strict=True) if k in lacking]
         msg = pb.StageProgress(
             protocol_version=PROTOCOL_VERSION,
             stage=self.stage,
@@ -173,9 +182,20 @@ class StagePeers:
             taken=taken[1],
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
-        peers = list(self.peers.items())
         acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
-        return {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
+        answered = {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
+        for peer_id, ack in answered.items():
+            sent = held[peer_id] | lacking
+            if ack.served_held >= len(sent):
+                self._served_held[peer_id] = epoch, sent | self._held_by(peer_id, epoch)
+            else:  # it holds fewer than we sent it (it restarted, or forgot): the next message carries them all
+                self._served_held.pop(peer_id, None)
+        return answered
+
+    def _held_by(self, peer_id: str, epoch: int) -> frozenset[tuple]:
+        """The admissions of `epoch` that `peer_id` said it holds from us."""
+        held_epoch, keys = self._served_held.get(peer_id, (None, frozenset()))
+        return keys if held_epoch == epoch else frozenset()
 
     async def _send(self, peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck | None:
         try:
@@ -218,6 +238,7 @@ class StagePeers:
             self._unreachable[peer_id] = time.monotonic()
             self.held[peer_id] = address
         self.view.pop(peer_id, None)
+        self._served_held.pop(peer_id, None)  # back, it may have restarted: it gets every admission again
         self._channels.drop(address)
 
     def must_claim(self, epoch: int) -> bool:

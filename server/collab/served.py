@@ -6,8 +6,9 @@ holds the whole global batch ends the stage's epochs before its peers have their
 nearly all of the group's weight, becomes the stage's step: one peer steers the stage.
 
 So a Progress also carries stage 0's signed admissions of the microbatches whose gradients the sender holds for the
-epoch (`StageProgress.served`; the worker keeps them beside its counts), and a peer's part in the parts we reduce
-weighs at most what its admissions prove (hivemind_compat.py `cap_weights`). An admission proves its samples for one
+epoch (`StageProgress.served`; the worker keeps them beside its counts), less those its receivers said they hold
+(`ProgressAck.served_held`, progress.py: one new admission per backward, not all of the epoch's each time), and a
+peer's part in the parts we reduce weighs at most what its admissions prove (hivemind_compat.py `cap_weights`). An admission proves its samples for one
 peer and one epoch when:
 - a stage-0 peer signed it, over its microbatch, samples and batch (tickets.py);
 - its microbatch's Backward was not served here: a peer relaying the admissions we sent it proves nothing;
@@ -47,6 +48,8 @@ SIGNER_READ_S = 1.0  # the longest a Progress waits for a read of stage 0's keys
 MAX_CLAIMED = 1 << 16  # admissions remembered as claimed (a global batch of 1024 microbatches, 64 times over)
 MAX_UNCHECKED = 4096  # admissions of unknown signers kept to check again, per peer and epoch
 MAX_UNCHECKED_PROGRESS = 256  # (peer, epoch) pairs with such admissions (a liar may name far epochs)
+MAX_HELD = 1 << 14  # admissions a peer sent us for one epoch that we remember holding (`held`)
+MAX_HELD_PROGRESS = 256  # (peer, epoch) pairs we remember them for
 
 
 class ForgedAdmission(Exception):
@@ -63,6 +66,8 @@ class Served:
         self._heard: dict[int, set[str]] = {}  # epoch -> peers whose Progress of that epoch reached us
         # (epoch, peer id) -> (when we last looked for their signers, its admissions whose signer we did not know)
         self._unchecked: OrderedDict[tuple[int, str], tuple[float, dict[tuple, pb.Admission]]] = OrderedDict()
+        # (epoch, peer id) -> the keys of every admission of that epoch it sent us (`held`)
+        self._held: OrderedDict[tuple[int, str], set[tuple]] = OrderedDict()
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress) -> None:
@@ -79,6 +84,11 @@ class Served:
             # answer. An admission still unknown proves nothing now; it is checked again before the round (`settle`)
             await self.tickets.read_signers_since(arrived, SIGNER_READ_S)
         checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
+        held = self._held.pop((int(msg.epoch), peer), set())  # to the end: the latest
+        held.update(ticket_key(a) for a in msg.served[: max(MAX_HELD - len(held), 0)])
+        self._held[int(msg.epoch), peer] = held
+        while len(self._held) > MAX_HELD_PROGRESS:
+            self._held.popitem(last=False)
         for (epoch, _), (valid, unknown) in zip(lists, checked, strict=True):
             self._count(peer, epoch, valid)
             if unknown:
@@ -152,6 +162,12 @@ class Served:
             valid[key] = int(a.samples)
         return valid, unknown
 
+    def held(self, peer_id: str, epoch: int) -> int:
+        """How many distinct admissions of `epoch` `peer_id` sent us (ProgressAck.served_held): it leaves them out of
+        its later messages. A peer we forgot them for (we restarted) says fewer than it sent, and it sends them all
+        again."""
+        return len(self._held.get((epoch, peer_id), ()))
+
     def proven(self, peer_id: str, epoch: int) -> int:
         """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
         return dict(self._proven.get(epoch, {})).get(peer_id, 0)
@@ -173,3 +189,5 @@ class Served:
             del self._heard[old]
         for key in [k for k in self._unchecked if k[0] < epoch]:
             del self._unchecked[key]
+        for key in [k for k in self._held if k[0] < epoch]:
+            del self._held[key]

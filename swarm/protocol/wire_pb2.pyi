@@ -234,14 +234,16 @@ class Admission(_message.Message):
     def __init__(self, microbatch_id: _Optional[str] = ..., samples: _Optional[int] = ..., global_batch: _Optional[int] = ..., admitted_at: _Optional[int] = ..., admitted_by: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class ProgressAck(_message.Message):
-    __slots__ = ("epoch", "admitted", "admitted_next")
+    __slots__ = ("epoch", "admitted", "admitted_next", "served_held")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_NEXT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_HELD_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     admitted: int
     admitted_next: int
-    def __init__(self, epoch: _Optional[int] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ...) -> None: ...
+    served_held: int
+    def __init__(self, epoch: _Optional[int] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., served_held: _Optional[int] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
     __slots__ = ("host", "port", "tls_cert", "proof")
