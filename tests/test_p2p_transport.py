@@ -307,6 +307,7 @@ async def test_a_peer_still_relayed_is_dialled_afresh_when_idle_until_the_hole_o
         await task
 
     peer = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+    p2p_transport._redials.clear()
     started = time.monotonic()
     punched = _RelayedDaemon(peer, punched_on={2})
     await asyncio.wait_for(watch(punched), 10)
@@ -314,8 +315,12 @@ async def test_a_peer_still_relayed_is_dialled_afresh_when_idle_until_the_hole_o
     assert f"reaching {peer} over libp2p directly at /ip4/11.0.0.9/tcp/5000" in caplog.text
 
     never = _RelayedDaemon(peer, punched_on=set())  # a NAT no hole goes through: the relay stays the way
+    p2p_transport._redials.clear()
     await asyncio.wait_for(watch(never), 10)
     assert never.redials == p2p_transport.MAX_REDIALS
+    await asyncio.wait_for(watch(never), 10)  # a later watch of that peer (a minute on) does not dial it again
+    assert never.redials == p2p_transport.MAX_REDIALS
+    p2p_transport._redials.clear()
 
     started = time.monotonic()
     busy = _RelayedDaemon(peer, punched_on={1})

@@ -163,9 +163,9 @@ def test_a_trainer_reaches_a_home_peer_directly_through_its_nat_once_public_peer
     and the trainer's relayed dial ends in a direct connection through the NAT (hole punching, DCUtR): its 1 MiB
     calls come back whole, over `directly at /ip4/<router>/...`. With every peer at one address (as in the NAT
     test of tests/test_p2p_transport.py) or three, the calls stayed relayed for 60-90 s, so this is libp2p's rule,
-    not an accident of timing. libp2p punches once per connection: when the trainer dialled before the observers had
-    confirmed the home node's address, the trainer's own transport dials again once idle (swarm/protocol/p2p.py
-    `_watch_path`; the caller here no longer does it itself)."""
+    not an accident of timing. libp2p tries once per relayed connection: when the trainer dialled before the home
+    node trusted its address (CI, once: relayed for all of 150 s), the trainer's transport dials again once idle
+    (swarm/protocol/p2p.py `_watch_path`; the caller here does it after 10 s)."""
     if reason := netns.unavailable():
         pytest.skip(reason)
     observers, trainer = ("11.0.0.3", "11.0.0.4", "11.0.0.5"), "11.0.0.6"

@@ -66,6 +66,7 @@ IDLE_WAIT_S = 10.0  # how long a redial waits for the calls under way to the pee
 _paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
 _checks: dict[str, asyncio.Task] = {}  # running path checks, by peer (asyncio keeps only weak references to tasks)
 _calls: dict[str, int] = {}  # peer -> our calls to it under way
+_redials: dict[str, int] = {}  # peer -> how many times we dialled it afresh (`_watch_path`)
 
 
 class _Maddr:
@@ -127,6 +128,7 @@ async def _open(p2p, peer, name: str):
     if time.monotonic() - looked > PATH_CHECK_S and str(peer) not in _checks:
         if len(_paths) >= 4096:  # peers of a long run: forget them all (each path is logged again once)
             _paths.clear()
+            _redials.clear()
         _paths[str(peer)] = (time.monotonic(), path)
         _checks[str(peer)] = task = asyncio.create_task(_watch_path(p2p, peer))
         task.add_done_callback(lambda _: _checks.pop(str(peer), None))
@@ -162,14 +164,14 @@ async def _watch_path(p2p, peer) -> None:
     peer that did not know its address yet (the peers that tell it were still meeting it) stays relayed for good,
     through a relay capped in time and bytes (CI saw a caller relayed for all of 150 s). So a path still relayed
     REDIAL_S later is closed once no call of ours is using it, and the next call dials the peer afresh, through the
-    relay and then, if the hole opens, directly; MAX_REDIALS times at most."""
-    path, redials, dialled = await _look(p2p, peer), 0, time.monotonic()
+    relay and then, if the hole opens, directly; MAX_REDIALS times a peer at most (a NAT no hole goes through)."""
+    path, dialled = await _look(p2p, peer), time.monotonic()
     while path is not None and path.startswith(("through relay", "not connected")):
         await asyncio.sleep(HOLE_PUNCH_S)
         path = await _look(p2p, peer)
         if path == "not connected" and time.monotonic() - dialled < PATH_CHECK_S:
             continue  # closed by us (or by the relay's limits): the next call dials it
-        if path is None or not path.startswith("through relay") or redials >= MAX_REDIALS:
+        if path is None or not path.startswith("through relay") or _redials.get(str(peer), 0) >= MAX_REDIALS:
             return
         if time.monotonic() - dialled < REDIAL_S:
             continue
@@ -178,7 +180,8 @@ async def _watch_path(p2p, peer) -> None:
             await asyncio.sleep(0.2)
         if _calls.get(str(peer), 0):
             continue  # busy all along: a call under way would break with the connection; look again later
-        redials, dialled = redials + 1, time.monotonic()
+        _redials[str(peer)] = redials = _redials.get(str(peer), 0) + 1
+        dialled = time.monotonic()
         logger.info("still reaching %s through a relay: dialling it afresh for a direct path (%d of %d)",
                     peer, redials, MAX_REDIALS)  # fmt: skip
         with contextlib.suppress(Exception):
