@@ -209,6 +209,8 @@ class SwarmDHT:
         identity = Identity()
         dht = start_dht(initial_peers, identity=identity, swarm_name=swarm_name, **kwargs)
         p2p_transport.RELAYS[:] = map(str, initial_peers)  # servers behind NAT hold relay reservations there
+        # a trainer's node: nothing but its own calls (and DHT requests, retried) uses its connections to a server
+        p2p_transport.REDIAL_RELAYED = bool(kwargs.get("client_mode"))
         return cls(dht, swarm_name, identity, config, swarm_key=kwargs.get("swarm_key"))
 
     @property

@@ -35,6 +35,7 @@ def fill_server_metrics(server: StageServer, f: Families) -> None:
         for result, n in (("ok", tied.rounds_ok), ("failed", tied.rounds_failed), ("skipped", tied.rounds_skipped)):
             f.counter("server_tied_rounds", "the tied weight's rounds over both stages", n, result=result)
     f.counter("server_state_downloads", "stage states loaded from peers (joining, catching up)", collab.state_downloads)
+    f.counter("server_progress_bytes", "bytes of Progress messages sent to stage peers", collab.progress_bytes)
     f.traffic(
         "server_allreduce",
         "the stage averaging's bytes sent and received",

@@ -60,6 +60,7 @@ async def main(role: str, host: str, directory: Path) -> None:
     # the product's redial (swarm/protocol/p2p.py `_watch_path`) after 10 s, not 30: a caller whose first relayed
     # connection did not punch through dials again well within the test's 150 s
     p2p_transport.REDIAL_S = 10.0
+    p2p_transport.REDIAL_RELAYED = True  # as SwarmDHT.start sets it for a trainer's (client-mode) node
     dht = start_dht(relays, host=host, client_mode=True)
     p2p = await dht.replicate_p2p()
 

@@ -74,7 +74,10 @@ async def test_calls_over_libp2p_carry_frames_both_ways_and_fail_like_grpc(pair)
     stub = Channels(get_p2p).stub(f"p2p:{server_id}")
     assert isinstance(stub, P2PStub)
     frames = [b"abc", b"\x00" * (3 << 20), b""]  # a frame bigger than gRPC's message cap goes through whole
-    replies = [f async for f in stub.forward(iter(frames), timeout=10)]
+    call = stub.forward(iter(frames), timeout=10)
+    replies = [await call.__anext__()]
+    assert p2p_transport._calls == {server_id: 1}  # a redial of this peer would wait (p2p.py `_watch_path`)
+    replies += [f async for f in call]
     assert seen == frames and replies[:3] == [f[::-1] for f in frames]
     assert replies[3].decode().startswith("p2p:12D3Koo")  # per-caller limits key on the libp2p id
     assert (await stub.info(pb.InfoRequest(), timeout=30)).stage == 7
@@ -91,6 +94,7 @@ async def test_calls_over_libp2p_carry_frames_both_ways_and_fail_like_grpc(pair)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await nobody.info(pb.InfoRequest(), timeout=5)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert not p2p_transport._calls  # every call, failed ones too, is no longer counted
 
 
 async def test_garbage_over_libp2p_gets_a_status_not_a_crash(pair):
@@ -289,8 +293,12 @@ async def test_a_peer_still_relayed_is_dialled_afresh_when_idle_until_the_hole_o
     """libp2p punches through a NAT once, as a relayed connection opens (CI saw a caller stay relayed for 150 s):
     a path still relayed REDIAL_S after the dial is closed once no call of ours uses it, so the next call dials
     again; never while a call is under way, MAX_REDIALS times at most, and no more once the path is direct."""
-    for name, value in {"HOLE_PUNCH_S": 0.01, "REDIAL_S": 0.05, "IDLE_WAIT_S": 0.1, "PATH_CHECK_S": 5.0}.items():
+    for name, value in {"HOLE_PUNCH_S": 0.01, "REDIAL_S": 0.05, "IDLE_WAIT_S": 0.1, "PATH_CHECK_S": 0.5}.items():
         monkeypatch.setattr(p2p_transport, name, value)
+    server = _RelayedDaemon("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN", punched_on=set())
+    await asyncio.wait_for(p2p_transport._watch_path(server, PeerID.from_base58(server.peer)), 10)
+    assert server.redials == 0  # a server's daemon carries its stage peers' streams too: it never closes a connection
+    monkeypatch.setattr(p2p_transport, "REDIAL_RELAYED", True)  # a trainer's (SwarmDHT.start, client mode)
     caplog.set_level(logging.INFO, logger="swarm.protocol.p2p")
 
     async def watch(daemon: _RelayedDaemon, busy: bool = False) -> None:

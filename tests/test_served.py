@@ -47,33 +47,33 @@ def served() -> Served:
 
 
 async def test_admissions_signed_by_stage_zero_prove_their_samples_once_per_peer(served):
-    await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2)))
+    await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2)), 5)
     assert served.proven("b", 5) == 6
     # a Progress may carry admissions it carried before (a receiver that restarted gets them all): they prove nothing more
-    await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2), admission("m3", 5)))
+    await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5, samples=2), admission("m3", 5)), 5)
     assert served.proven("b", 5) == 10
     # nor for a later epoch of the same peer
-    await served.prove(progress("b", 6, admission("m1", 5), admission("m4", 6)))
+    await served.prove(progress("b", 6, admission("m1", 5), admission("m4", 6)), 6)
     assert served.proven("b", 6) == 4
     # another peer naming them counts them too (a Backward retried there; or a copy, which the group's weight bound
     # limits): counting them for the first peer alone would let a peer that saw them in a Forward take them
-    await served.prove(progress("c", 5, admission("m1", 5), admission("m2", 5, samples=2)))
+    await served.prove(progress("c", 5, admission("m1", 5), admission("m2", 5, samples=2)), 5)
     assert (served.proven("c", 5), served.proven("b", 5)) == (6, 10)
 
 
 async def test_a_forged_admission_refuses_its_progress_and_early_or_our_own_prove_nothing(served):
     with pytest.raises(ForgedAdmission):  # names STAGE0, signed by another key
-        await served.prove(progress("b", 5, admission("m1", 5), admission("forged", 5, signer=Identity())))
+        await served.prove(progress("b", 5, admission("m1", 5), admission("forged", 5, signer=Identity())), 5)
     assert served.forged == 1
     ours = admission("ours", 5)
     served.tickets.spent[ticket_key(ours)] = None  # its Backward was served here: relayed, it proves nothing
-    await served.prove(progress("b", 5, ours, admission("future", 7)))
+    await served.prove(progress("b", 5, ours, admission("future", 7)), 5)
     assert served.proven("b", 5) == 0
     late = admission("late", 1)  # a Backward of an ended epoch joins the current one's gradients, however late
     # one of the next batch (admitted early) is claimed for its own epoch, not this one
-    await served.prove(progress("b", 5, late, admission("next", 6)))
+    await served.prove(progress("b", 5, late, admission("next", 6)), 5)
     assert served.proven("b", 5) == 4
-    await served.prove(progress("b", 6, admission("next", 6)))
+    await served.prove(progress("b", 6, admission("next", 6)), 6)
     assert served.proven("b", 6) == 4
     served.forget_before(6)
     assert (served.proven("b", 5), served.proven("b", 6)) == (0, 4)
@@ -86,15 +86,15 @@ async def test_a_peer_we_have_heard_nothing_from_for_an_epoch_weighs_a_microbatc
     assert served.cap("b", 5, unheard=64.0) == 64.0
     unknown = admission("unknown", 5)
     unknown.admitted_by = Identity().peer_id  # a signer stage 0's records do not list
-    await served.prove(progress("b", 5, unknown))
+    await served.prove(progress("b", 5, unknown), 5)
     assert served.cap("b", 5, unheard=64.0) == 64.0
     await served.settle(5)  # read stage 0 again: still unknown, so it proves nothing
     assert served.cap("b", 5, unheard=64.0) == 64.0
-    await served.prove(progress("b", 5))
+    await served.prove(progress("b", 5), 5)
     assert served.cap("b", 5, unheard=64.0) == 0.0
     claim = progress("b", 5, admission("m1", 5))
     claim.claims = True  # a stage-0 claim carries the admissions behind its count, as any Progress does
-    await served.prove(claim)
+    await served.prove(claim, int(claim.epoch))
     assert served.cap("b", 5, unheard=64.0) == 4.0
     served.forget_before(6)
     assert served.cap("b", 5, unheard=64.0) == 64.0
@@ -106,7 +106,7 @@ async def test_a_delayed_peer_proves_the_round_it_is_in_while_it_reports_the_nex
     msg = progress("b", 6, admission("n1", 6))
     msg.taken_epoch = 5
     msg.taken.extend([admission("m1", 5), admission("m2", 5)])
-    await served.prove(msg)
+    await served.prove(msg, int(msg.epoch))
     assert (served.proven("b", 5), served.proven("b", 6)) == (8, 4)
     assert served.cap("b", 5, unheard=64.0) == 8.0
 
@@ -125,14 +125,14 @@ async def test_an_admission_whose_signer_we_read_late_counts_before_the_round():
         return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
 
     served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
-    await served.prove(progress("b", 5, admission("m1", 5)))
+    await served.prove(progress("b", 5, admission("m1", 5)), 5)
     late = admission("m2", 5, signer=joiner)
     late.admitted_by = joiner.peer_id
-    await served.prove(progress("b", 5, admission("m1", 5), late))  # read: the joiner's record is not there yet
+    await served.prove(progress("b", 5, admission("m1", 5), late), 5)  # read: the joiner's record is not there yet
     assert served.cap("b", 5, unheard=64.0) == 4.0
     stranger = admission("m3", 5, signer=Identity())
     stranger.admitted_by = Identity().peer_id
-    await served.prove(progress("c", 5, stranger))
+    await served.prove(progress("c", 5, stranger), 5)
     listed.append(joiner)  # its record is in the DHT now
     before = len(reads)
     await served.settle(5)
@@ -151,10 +151,10 @@ async def test_a_forgery_found_when_its_signer_is_read_counts_nothing_and_waitin
         return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
 
     served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
-    await served.prove(progress("b", 5, admission("m1", 5)))
+    await served.prove(progress("b", 5, admission("m1", 5)), 5)
     forged = admission("m2", 5, signer=Identity())  # names the joiner, signed by someone else
     forged.admitted_by = joiner.peer_id
-    await served.prove(progress("b", 5, admission("m1", 5), forged))
+    await served.prove(progress("b", 5, admission("m1", 5), forged), 5)
     listed.append(joiner)
     await served.settle(5)
     assert served.cap("b", 5, unheard=64.0) == 4.0 and served.forged == 1
@@ -165,7 +165,7 @@ async def test_a_forgery_found_when_its_signer_is_read_counts_nothing_and_waitin
 
     slow = Served(Tickets(types.SimpleNamespace(discover=frozen), timeout=30.0))
     t0 = time.monotonic()
-    await slow.prove(progress("b", 5, forged))
+    await slow.prove(progress("b", 5, forged), 5)
     await slow.settle(5)
     assert time.monotonic() - t0 < 2 * SIGNER_READ_S + 1.0
     assert slow.cap("b", 5, unheard=64.0) == 64.0
@@ -186,7 +186,7 @@ async def test_a_progress_carries_only_the_admissions_a_peer_does_not_hold_yet()
     async def send(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
         carried.append(len(msg.served))
         served = receivers[peer_id]
-        await served.prove(msg)
+        await served.prove(msg, int(msg.epoch))
         return pb.ProgressAck(epoch=msg.epoch, served_held=served.held(msg.peer_id, int(msg.epoch)))
 
     peers._send = send  # type: ignore[method-assign]
@@ -214,3 +214,44 @@ def _receiver() -> Served:
         return [types.SimpleNamespace(peer_id=STAGE0.peer_id, public_key=STAGE0.public_key)]
 
     return Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+
+
+async def test_admissions_we_cannot_check_yet_come_again_and_far_epochs_are_not_kept():
+    """A receiver does not say it holds an admission whose signer it does not know yet: the sender sends its
+    admissions again in every message until the receiver can check them all (were it held, its sender would never
+    send it again, and one whose recheck was lost would never count). Admissions of epochs far from ours are neither counted nor kept."""
+    joiner = Identity()
+    listed = [STAGE0]
+
+    async def discover(stage: int, include_pending: bool = False):
+        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
+
+    receiver = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    sender = Identity()
+    peers = StagePeers(types.SimpleNamespace(identity=sender, peer_id=sender.peer_id, p2p=None), 1, 1.0)
+    peers.peers["r"] = "127.0.0.1:1"
+    carried: list[int] = []
+
+    async def send(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
+        carried.append(len(msg.served))
+        await receiver.prove(msg, current=5)
+        return pb.ProgressAck(epoch=5, served_held=receiver.held(msg.peer_id, int(msg.epoch)))
+
+    peers._send = send  # type: ignore[method-assign]
+    late = admission("m1", 5, signer=joiner)
+    late.admitted_by = joiner.peer_id
+    mine = [admission("m0", 5), late]
+    await peers.broadcast(5, 8, False, served=mine)
+    await peers.broadcast(5, 8, False, served=mine)
+    assert carried == [2, 2] and receiver.proven(sender.peer_id, 5) == 4  # all again: it holds 1 of 2
+    listed.append(joiner)
+    await peers.broadcast(5, 8, False, served=mine)
+    await peers.broadcast(5, 8, False, served=mine)
+    assert carried == [2, 2, 2, 0] and receiver.proven(sender.peer_id, 5) == 8
+
+    far = progress("liar", 105, admission("x", 105))
+    far.taken_epoch = 104
+    far.taken.append(admission("y", 104))
+    await receiver.prove(far, current=5)
+    assert receiver.held("liar", 105) == 0 and receiver.proven("liar", 105) == 0 == receiver.proven("liar", 104)
+    assert receiver.cap("liar", 105, unheard=64.0) == 64.0

@@ -49,6 +49,11 @@ class Collaboration(Protocol):
         ...
 
     @property
+    def progress_bytes(self) -> int:
+        """Bytes of the Progress messages this peer sent its stage peers (times each peer it sent one to)."""
+        ...
+
+    @property
     def lowrank(self) -> LowRankState | None:
         """The stage's low-rank averaging state (ACP-SGD or PowerSGD), if it averages low-rank."""
         ...
@@ -119,7 +124,7 @@ class Collaboration(Protocol):
 class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
-    allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = 0
+    allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = progress_bytes = 0
     lowrank = None
 
     @property

@@ -179,6 +179,10 @@ class StageCollaboration:
         self.peers.address = value
 
     @property
+    def progress_bytes(self) -> int:
+        return self.peers.bytes_sent
+
+    @property
     def allreduce_bytes(self) -> int:
         return self.averaging.bytes
 
@@ -290,7 +294,7 @@ class StageCollaboration:
         if max(counts) > (most := self._most_samples()):
             raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
         try:
-            await self.served.prove(msg)
+            await self.served.prove(msg, self.epoch)
         except ForgedAdmission as e:
             raise ProgressRefused(str(e)) from None
         self.peers.record(msg)

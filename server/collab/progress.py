@@ -55,6 +55,7 @@ class StagePeers:
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
         # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
+        self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
 
     @staticmethod
     def forged(msg: pb.StageProgress) -> str | None:
@@ -182,14 +183,17 @@ class StagePeers:
             taken=taken[1],
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
+        self.bytes_sent += msg.ByteSize() * len(peers)
         acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
         answered = {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
         for peer_id, ack in answered.items():
             sent = held[peer_id] | lacking
-            if ack.served_held >= len(sent):
+            if ack.served_held < len(sent):  # it holds fewer than we sent it (it restarted, or could not check some
+                self._served_held.pop(peer_id, None)  # signers yet): the next message carries them all
+            elif sent:  # (a claim of the next epoch carries none: it leaves what this epoch's messages left out)
                 self._served_held[peer_id] = epoch, sent | self._held_by(peer_id, epoch)
-            else:  # it holds fewer than we sent it (it restarted, or forgot): the next message carries them all
-                self._served_held.pop(peer_id, None)
+        for gone in set(self._served_held) - set(self.peers):
+            del self._served_held[gone]
         return answered
 
     def _held_by(self, peer_id: str, epoch: int) -> frozenset[tuple]:

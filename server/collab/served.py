@@ -70,25 +70,32 @@ class Served:
         self._held: OrderedDict[tuple[int, str], set[tuple]] = OrderedDict()
         self.forged = 0  # admissions whose signature did not verify
 
-    async def prove(self, msg: pb.StageProgress) -> None:
+    async def prove(self, msg: pb.StageProgress, current: int) -> None:
         """Count the admissions of an authentic Progress (its signature checked) towards its sender and epoch, and
         those of the round it is in towards that round's epoch (`taken`: its steps are delayed). Raises
         ForgedAdmission for one whose signature does not verify (a stage-0 key signed no such admission: the sender
-        made it up): the Progress is refused, and none of its admissions counts."""
+        made it up): the Progress is refused, and none of its admissions counts. Only epochs whose round we may still
+        weigh them in count: from KEEP_EPOCHS before our `current` one to the next (a peer further on is copied from,
+        not averaged with; and a liar naming far epochs would otherwise fill our memory)."""
         lists = [(int(msg.epoch), msg.served)]
         if msg.HasField("taken_epoch"):
             lists.append((int(msg.taken_epoch), msg.taken))
+        lists = [(epoch, served) for epoch, served in lists if current - KEEP_EPOCHS <= epoch <= current + 1]
         peer, arrived = msg.peer_id, time.monotonic()
         if any(a.admitted_by not in self.tickets.signers for _, served in lists for a in served):
             # a stage-0 peer we have not heard of: read stage 0's records, but not for long: the sender waits for our
             # answer. An admission still unknown proves nothing now; it is checked again before the round (`settle`)
             await self.tickets.read_signers_since(arrived, SIGNER_READ_S)
         checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
-        held = self._held.pop((int(msg.epoch), peer), set())  # to the end: the latest
-        held.update(ticket_key(a) for a in msg.served[: max(MAX_HELD - len(held), 0)])
-        self._held[int(msg.epoch), peer] = held
-        while len(self._held) > MAX_HELD_PROGRESS:
-            self._held.popitem(last=False)
+        if lists and lists[0][0] == msg.epoch:  # what it sent us of `served`, but those we could not check yet: it
+            # sends them again until we can (a recheck that `_unchecked` lost is not a proof lost)
+            held = self._held.pop((int(msg.epoch), peer), set())  # to the end: the latest
+            unknown = checked[0][1]
+            new = {key for key in map(ticket_key, msg.served) if key not in held and key not in unknown}
+            held.update(list(new)[: max(MAX_HELD - len(held), 0)])
+            self._held[int(msg.epoch), peer] = held
+            while len(self._held) > MAX_HELD_PROGRESS:
+                self._held.popitem(last=False)
         for (epoch, _), (valid, unknown) in zip(lists, checked, strict=True):
             self._count(peer, epoch, valid)
             if unknown:

@@ -61,12 +61,16 @@ REFUSALS = access.Refusals()  # calls refused for want of the private swarm's ke
 HOLE_PUNCH_S = 5.0  # when a relayed path is looked at again: a punched hole replaces it right after it opens
 PATH_CHECK_S = 60.0  # how often a caller looks again at how it reaches a peer (directly or relayed), and logs changes
 REDIAL_S = 30.0  # a peer we still reach through a relay this long after dialling it is dialled afresh (`_watch_path`)
+# whether we do (SwarmDHT.start: trainers'): a server's daemon also carries its stage peers' Progress and all-reduce
+# streams, which closing the connection would cut, and our count of calls does not see
+REDIAL_RELAYED = False
 MAX_REDIALS = 4  # ... this many times in a row at most: some NATs let no hole through, and the relay is the way
 IDLE_WAIT_S = 10.0  # how long a redial waits for the calls under way to the peer to end (it closes their connection)
 _paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
 _checks: dict[str, asyncio.Task] = {}  # running path checks, by peer (asyncio keeps only weak references to tasks)
 _calls: dict[str, int] = {}  # peer -> our calls to it under way
 _redials: dict[str, int] = {}  # peer -> how many times we dialled it afresh (`_watch_path`)
+_redialling: dict[str, asyncio.Event] = {}  # peer -> set once its connection is closed: new calls wait for it
 
 
 class _Maddr:
@@ -117,6 +121,8 @@ async def _dial_through_relays(p2p, peer) -> str | None:
 
 async def _open(p2p, peer, name: str):
     """A stream to `peer`'s handler `name`: directly, or (when routing finds no address) through a relay."""
+    if (closing := _redialling.get(str(peer))) is not None:
+        await closing.wait()  # not on the connection `_watch_path` is closing
     try:
         stream = await p2p.call_binary_stream_handler(peer, name)
     except Exception as e:
@@ -168,10 +174,14 @@ async def _watch_path(p2p, peer) -> None:
     path, dialled = await _look(p2p, peer), time.monotonic()
     while path is not None and path.startswith(("through relay", "not connected")):
         await asyncio.sleep(HOLE_PUNCH_S)
-        path = await _look(p2p, peer)
+        was, path = path, await _look(p2p, peer)
         if path == "not connected" and time.monotonic() - dialled < PATH_CHECK_S:
             continue  # closed by us (or by the relay's limits): the next call dials it
-        if path is None or not path.startswith("through relay") or _redials.get(str(peer), 0) >= MAX_REDIALS:
+        if path is None or not path.startswith("through relay"):
+            return
+        if was == "not connected":
+            dialled = time.monotonic()  # dialled again since we looked: its punch gets its own REDIAL_S
+        if not REDIAL_RELAYED or _redials.get(str(peer), 0) >= MAX_REDIALS:
             return
         if time.monotonic() - dialled < REDIAL_S:
             continue
@@ -184,8 +194,13 @@ async def _watch_path(p2p, peer) -> None:
         dialled = time.monotonic()
         logger.info("still reaching %s through a relay: dialling it afresh for a direct path (%d of %d)",
                     peer, redials, MAX_REDIALS)  # fmt: skip
-        with contextlib.suppress(Exception):
-            await p2p._client.disconnect(peer)
+        _redialling[str(peer)] = closed = asyncio.Event()
+        try:
+            with contextlib.suppress(Exception):
+                await p2p._client.disconnect(peer)
+        finally:
+            closed.set()
+            del _redialling[str(peer)]
 
 
 def handler_name(method: str) -> str:
@@ -403,38 +418,40 @@ class P2PStub:
             writer.write(END + (0).to_bytes(8, "big"))  # hivemind's end of a request stream: an empty error
             await writer.drain()
 
-        try:
-            if self._peer is None:
-                from hivemind.p2p import PeerID  # here: only processes that call over libp2p import hivemind for it
-
-                self._peer = PeerID.from_base58(self.peer_id)
-            p2p = await self.get_p2p()
-            _, reader, writer = await _open(p2p, self._peer, handler_name(method))
-        except Exception as e:  # libp2p's: the daemon could not reach the peer; a malformed peer id
-            raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
-        sending = asyncio.ensure_future(send(writer))
-        sending.add_done_callback(_retrieved)  # a send that failed shows as a reply that never ends
         _calls[self.peer_id] = _calls.get(self.peer_id, 0) + 1  # a redial waits for it (`_watch_path`)
         try:
-            while True:
-                try:  # replies are read with the same cap as requests: a server cannot make us reserve more
-                    reply = await _receive(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    reply = None
-                except ValueError as e:
-                    raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: the server sent {e}") from None
-                if reply is None:  # the stream closed before the reply's end: as a connection gRPC lost
-                    raise _error(grpc.StatusCode.UNAVAILABLE, "libp2p: the stream closed before the reply ended")
-                if reply.status:
-                    raise _error(_CODES.get(reply.status, grpc.StatusCode.UNKNOWN), reply.details)
-                if reply.end:
-                    return
-                yield reply.frame
+            try:
+                if self._peer is None:
+                    from hivemind.p2p import PeerID  # here: only processes calling over libp2p import hivemind for it
+
+                    self._peer = PeerID.from_base58(self.peer_id)
+                p2p = await self.get_p2p()
+                _, reader, writer = await _open(p2p, self._peer, handler_name(method))
+            except Exception as e:  # libp2p's: the daemon could not reach the peer; a malformed peer id
+                raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: {e!r}") from None
+            sending = asyncio.ensure_future(send(writer))
+            sending.add_done_callback(_retrieved)  # a send that failed shows as a reply that never ends
+            try:
+                while True:
+                    try:  # replies are read with the same cap as requests: a server cannot make us reserve more
+                        reply = await _receive(reader)
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        reply = None
+                    except ValueError as e:
+                        raise _error(grpc.StatusCode.UNAVAILABLE, f"libp2p: the server sent {e}") from None
+                    if reply is None:  # the stream closed before the reply's end: as a connection gRPC lost
+                        raise _error(grpc.StatusCode.UNAVAILABLE, "libp2p: the stream closed before the reply ended")
+                    if reply.status:
+                        raise _error(_CODES.get(reply.status, grpc.StatusCode.UNKNOWN), reply.details)
+                    if reply.end:
+                        return
+                    yield reply.frame
+            finally:
+                sending.cancel()
+                writer.close()  # the server stops holding the stream
         finally:
             if (calls := _calls.pop(self.peer_id, 1) - 1) > 0:
                 _calls[self.peer_id] = calls
-            sending.cancel()
-            writer.close()  # the server stops holding the stream
 
 
 async def _send(writer: asyncio.StreamWriter, message: pb.P2PCall) -> None:
