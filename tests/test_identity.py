@@ -11,6 +11,7 @@ from hivemind.utils import get_dht_time
 from dht.identity import Identity, fingerprint
 from dht.node import SwarmDHT, start_dht
 from dht.records import ServerRecord, differences, settings, stage_key
+from server.collab.tickets import ticket_bytes
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, StageStub, aio_channel
 from swarm.rebalance import Move, RebalanceConfig, decide
@@ -139,6 +140,23 @@ async def test_forged_records_are_never_listed_and_forged_progress_changes_nothi
                 signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=0), timeout=5
             )
             assert ack.epoch == epoch
+            # ... and the answer says how many of b's admissions a holds: b leaves those out of its next messages
+            held = []
+            for ids in (["m1"], ["m1"], ["m1", "m2"]):
+                admissions = [
+                    pb.Admission(
+                        microbatch_id=m,
+                        samples=4,
+                        global_batch=epoch,
+                        admitted_at=epoch,
+                        admitted_by=b.sdht.peer_id,  # b is a stage-0 peer: its admissions are signed by its key
+                        signature=b.sdht.identity.sign(ticket_bytes(m, 4, epoch, epoch)),
+                    )
+                    for m in ids
+                ]
+                msg = signed(b.sdht.identity, peer_id=b.sdht.peer_id, epoch=epoch, samples=0, served=admissions)
+                held.append((await StageStub(channel).progress(msg, timeout=5)).served_held)
+            assert held == [1, 1, 2]
 
 
 def test_peer_ids_are_key_fingerprints():
