@@ -35,6 +35,16 @@ class ThrottledRead:
             await asyncio.wait_for(asyncio.shield(self._task), self.timeout)
         return self._task.done() and not self._task.cancelled() and self._task.exception() is None
 
+    async def since(self, started: float, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a read that began at monotonic time `started` or later to complete (a call
+        within `interval` of the last read returns that read's result, which may predate what the caller needs)."""
+        deadline = time.monotonic() + timeout
+        while self.read_at < started and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self(), left)
+            if self.read_at < started:  # throttled (an older read's result), or it failed: read again shortly
+                await asyncio.sleep(min(self.interval / 2, max(deadline - time.monotonic(), 0)))
+
     async def _fetch(self, started: float) -> None:
         await self.fetch()
         self.read_at = max(self.read_at, started)

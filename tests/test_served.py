@@ -35,15 +35,28 @@ def progress(sender: str, epoch: int, *served: pb.Admission) -> pb.StageProgress
     return pb.StageProgress(protocol_version=PROTOCOL_VERSION, stage=1, peer_id=sender, epoch=epoch, served=served)
 
 
-@pytest.fixture
-def served() -> Served:
-    reads: list[int] = []
+def receiver(listed: list[Identity] | None = None, reads: list[int] | None = None) -> Served:
+    """A stage peer's `Served`, whose reads of stage 0 list `listed` as they stand at the read (STAGE0 by default),
+    each read appended to `reads`."""
 
     async def discover(stage: int, include_pending: bool = False):
-        reads.append(stage)
-        return [types.SimpleNamespace(peer_id=STAGE0.peer_id, public_key=STAGE0.public_key)]
+        if reads is not None:
+            reads.append(stage)
+        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed or [STAGE0]]
 
     return Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+
+
+def sender(identity: Identity, send) -> StagePeers:
+    """A stage peer's `StagePeers` whose Progress messages go to `send(peer_id, address, msg)` instead of gRPC."""
+    peers = StagePeers(types.SimpleNamespace(identity=identity, peer_id=identity.peer_id, p2p=None), 1, 1.0)
+    peers._send = send  # type: ignore[method-assign]
+    return peers
+
+
+@pytest.fixture
+def served() -> Served:
+    return receiver()
 
 
 async def test_admissions_signed_by_stage_zero_prove_their_samples_once_per_peer(served):
@@ -118,13 +131,8 @@ async def test_an_admission_whose_signer_we_read_late_counts_before_the_round():
     the round (`settle`) we read stage 0 again and count it; a signer still unlisted then proves nothing."""
     joiner = Identity()
     listed = [STAGE0]
-    reads: list[float] = []
-
-    async def discover(stage: int, include_pending: bool = False):
-        reads.append(stage)
-        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
-
-    served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    reads: list[int] = []
+    served = receiver(listed, reads)
     await served.prove(progress("b", 5, admission("m1", 5)), 5)
     late = admission("m2", 5, signer=joiner)
     late.admitted_by = joiner.peer_id
@@ -146,11 +154,7 @@ async def test_an_admission_whose_signer_we_read_late_counts_before_the_round():
 async def test_a_forgery_found_when_its_signer_is_read_counts_nothing_and_waiting_is_bounded():
     joiner = Identity()
     listed = [STAGE0]
-
-    async def discover(stage: int, include_pending: bool = False):
-        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
-
-    served = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    served = receiver(listed)
     await served.prove(progress("b", 5, admission("m1", 5)), 5)
     forged = admission("m2", 5, signer=Identity())  # names the joiner, signed by someone else
     forged.admitted_by = joiner.peer_id
@@ -176,11 +180,8 @@ async def test_a_progress_carries_only_the_admissions_a_peer_does_not_hold_yet()
     each peer (~430 bytes each). A receiver's answer says how many of the sender's it holds, and the sender's next
     messages leave those out; one that holds fewer than it was sent (it restarted) gets them all again. Its part
     weighs the same either way."""
-    sender = Identity()
-    sdht = types.SimpleNamespace(identity=sender, peer_id=sender.peer_id, p2p=None)
-    peers = StagePeers(sdht, stage=1, peer_timeout=1.0)
-    receivers = {"r1": _receiver(), "r2": _receiver()}
-    peers.peers.update({name: f"127.0.0.1:{port}" for port, name in enumerate(receivers, start=1)})
+    me = Identity()
+    receivers = {"r1": receiver(), "r2": receiver()}
     carried: list[int] = []
 
     async def send(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
@@ -189,69 +190,75 @@ async def test_a_progress_carries_only_the_admissions_a_peer_does_not_hold_yet()
         await served.prove(msg, int(msg.epoch))
         return pb.ProgressAck(epoch=msg.epoch, served_held=served.held(msg.peer_id, int(msg.epoch)))
 
-    peers._send = send  # type: ignore[method-assign]
+    peers = sender(me, send)
+    peers.peers.update({name: f"127.0.0.1:{port}" for port, name in enumerate(receivers, start=1)})
     admissions = [admission(f"m{i}", 5) for i in range(8)]
     for n in range(1, 5):
         await peers.broadcast(5, 4 * n, False, served=admissions[:n])
     assert carried == [1, 1, 1, 1, 1, 1, 1, 1]  # one new admission per message, to each of the two peers
-    assert all(served.cap(sender.peer_id, 5, unheard=64.0) == 16.0 for served in receivers.values())
+    assert all(served.cap(me.peer_id, 5, unheard=64.0) == 16.0 for served in receivers.values())
 
-    receivers["r2"] = _receiver()  # r2 restarted: it holds nothing of ours
+    receivers["r2"] = receiver()  # r2 restarted: it holds nothing of ours
     carried.clear()
     await peers.broadcast(5, 20, False, served=admissions[:5])
     await peers.broadcast(5, 24, False, served=admissions[:6])
     assert carried == [1, 1, 6, 6]  # told it holds 1 of 5, we send all six again (to r1 too: one signed message)
-    assert [served.cap(sender.peer_id, 5, unheard=64.0) for served in receivers.values()] == [24.0, 24.0]
+    assert [served.cap(me.peer_id, 5, unheard=64.0) for served in receivers.values()] == [24.0, 24.0]
 
     carried.clear()
     await peers.broadcast(6, 4, False, served=[admission("n0", 6)])  # a new epoch: nobody holds any of it yet
     await peers.broadcast(6, 4, False, served=[admission("n0", 6)])
     assert carried == [1, 1, 0, 0]
 
+    # a receiver answering that it holds 2**32 - 1 of ours (a liar, or garbage) only goes without what it lacks:
+    # the honest one still gets every admission it lacks, one message for both
+    honest, liar, other = receiver(), receiver(), Identity()
 
-def _receiver() -> Served:
-    async def discover(stage: int, include_pending: bool = False):
-        return [types.SimpleNamespace(peer_id=STAGE0.peer_id, public_key=STAGE0.public_key)]
+    async def answer(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
+        served = honest if peer_id == "honest" else liar
+        await served.prove(msg, int(msg.epoch))
+        held = served.held(msg.peer_id, int(msg.epoch)) if served is honest else 2**32 - 1
+        return pb.ProgressAck(epoch=msg.epoch, served_held=held)
 
-    return Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
+    peers = sender(other, answer)
+    peers.peers.update({"honest": "127.0.0.1:1", "liar": "127.0.0.1:2"})
+    for n in range(1, 4):
+        await peers.broadcast(7, 4 * n, False, served=[admission(f"k{i}", 7) for i in range(n)])
+    assert honest.cap(other.peer_id, 7, unheard=64.0) == 12.0
 
 
 async def test_admissions_we_cannot_check_yet_come_again_and_far_epochs_are_not_kept():
     """A receiver does not say it holds an admission whose signer it does not know yet: the sender sends its
     admissions again in every message until the receiver can check them all (were it held, its sender would never
-    send it again, and one whose recheck was lost would never count). Admissions of epochs far from ours are neither counted nor kept."""
+    send it again, and one whose recheck was lost would never count). Admissions of epochs far from ours are neither
+    counted nor kept."""
     joiner = Identity()
     listed = [STAGE0]
-
-    async def discover(stage: int, include_pending: bool = False):
-        return [types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key) for i in listed]
-
-    receiver = Served(Tickets(types.SimpleNamespace(discover=discover), timeout=1.0))
-    sender = Identity()
-    peers = StagePeers(types.SimpleNamespace(identity=sender, peer_id=sender.peer_id, p2p=None), 1, 1.0)
-    peers.peers["r"] = "127.0.0.1:1"
+    served = receiver(listed)
+    me = Identity()
     carried: list[int] = []
 
     async def send(peer_id: str, address: str, msg: pb.StageProgress) -> pb.ProgressAck:
         carried.append(len(msg.served))
-        await receiver.prove(msg, current=5)
-        return pb.ProgressAck(epoch=5, served_held=receiver.held(msg.peer_id, int(msg.epoch)))
+        await served.prove(msg, current=5)
+        return pb.ProgressAck(epoch=5, served_held=served.held(msg.peer_id, int(msg.epoch)))
 
-    peers._send = send  # type: ignore[method-assign]
+    peers = sender(me, send)
+    peers.peers["r"] = "127.0.0.1:1"
     late = admission("m1", 5, signer=joiner)
     late.admitted_by = joiner.peer_id
     mine = [admission("m0", 5), late]
     await peers.broadcast(5, 8, False, served=mine)
     await peers.broadcast(5, 8, False, served=mine)
-    assert carried == [2, 2] and receiver.proven(sender.peer_id, 5) == 4  # all again: it holds 1 of 2
+    assert carried == [2, 2] and served.proven(me.peer_id, 5) == 4  # all again: it holds 1 of 2
     listed.append(joiner)
     await peers.broadcast(5, 8, False, served=mine)
     await peers.broadcast(5, 8, False, served=mine)
-    assert carried == [2, 2, 2, 0] and receiver.proven(sender.peer_id, 5) == 8
+    assert carried == [2, 2, 2, 0] and served.proven(me.peer_id, 5) == 8
 
     far = progress("liar", 105, admission("x", 105))
     far.taken_epoch = 104
     far.taken.append(admission("y", 104))
-    await receiver.prove(far, current=5)
-    assert receiver.held("liar", 105) == 0 and receiver.proven("liar", 105) == 0 == receiver.proven("liar", 104)
-    assert receiver.cap("liar", 105, unheard=64.0) == 64.0
+    await served.prove(far, current=5)
+    assert served.held("liar", 105) == 0 and served.proven("liar", 105) == 0 == served.proven("liar", 104)
+    assert served.cap("liar", 105, unheard=64.0) == 64.0

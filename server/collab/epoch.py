@@ -350,10 +350,8 @@ class StageCollaboration:
         worker = self.worker
         while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
             epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
-            served = worker.served_for(epoch)  # the admissions behind our count (served.py)
-            taken = worker.taken_before(
-                epoch
-            )  # ... and behind our weight in the round we are in, if of an earlier epoch
+            served = worker.served_for(epoch)  # the admissions behind our count (served.py),
+            taken = worker.taken_before(epoch)  # and behind our weight in the round we are in, of an earlier epoch
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending

@@ -111,8 +111,9 @@ class Served:
     async def settle(self, epoch: int) -> None:
         """Event loop, before `epoch`'s round: check the admissions of `epoch` whose signer we did not know when their
         Progress came (a stage-0 peer whose record our read did not see yet, or a read that took longer than the
-        sender could wait) against a read of stage 0 begun after we last looked, waited for SIGNER_READ_S at most. Without this an honest peer's last admissions counted for nothing in our parts, and the round
-        weighed its part below its samples (the tied swarm test left one process by 1.5e-2 in CI)."""
+        sender could wait) against a read of stage 0 begun after we last looked, waited for SIGNER_READ_S at most.
+        Without this an honest peer's last admissions counted for nothing in our parts, and the round weighed its
+        part below its samples (likely how the tied swarm test left one process by 1.5e-2 in CI)."""
         pending = {key: value for key, value in self._unchecked.items() if key[0] == epoch}
         if not pending:
             return

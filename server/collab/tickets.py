@@ -12,10 +12,8 @@ and again, and a stage's step would absorb many times its global batch.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -165,15 +163,9 @@ class Tickets:
         return await self._read()
 
     async def read_signers_since(self, since: float, timeout: float) -> None:
-        """Wait up to `timeout` seconds for a read of stage 0's records that began at monotonic time `since` or later
-        (`read_signers` returns at once within READ_INTERVAL_S of the last read, which may predate a stage-0 peer
-        that joined since)."""
-        deadline = time.monotonic() + timeout
-        while self._read.read_at < since and (left := deadline - time.monotonic()) > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.read_signers(), left)
-            if self._read.read_at < since:
-                await asyncio.sleep(min(READ_INTERVAL_S / 2, max(deadline - time.monotonic(), 0)))
+        """Wait up to `timeout` seconds for a read of stage 0's records begun at monotonic time `since` or later: one
+        that may list a stage-0 peer that joined since our last read (`ThrottledRead.since`)."""
+        await self._read.since(since, timeout)
 
     async def _refresh(self) -> None:
         for entry in await self.sdht.discover(0, include_pending=True):

@@ -64,7 +64,7 @@ REDIAL_S = 30.0  # a peer we still reach through a relay this long after diallin
 # whether we do (SwarmDHT.start: trainers'): a server's daemon also carries its stage peers' Progress and all-reduce
 # streams, which closing the connection would cut, and our count of calls does not see
 REDIAL_RELAYED = False
-MAX_REDIALS = 4  # ... this many times in a row at most: some NATs let no hole through, and the relay is the way
+MAX_REDIALS = 4  # ... this many times a peer at most: some NATs let no hole through, and the relay is the way
 IDLE_WAIT_S = 10.0  # how long a redial waits for the calls under way to the peer to end (it closes their connection)
 _paths: dict[str, tuple[float, str]] = {}  # peer -> (when we last looked, how we reached it)
 _checks: dict[str, asyncio.Task] = {}  # running path checks, by peer (asyncio keeps only weak references to tasks)
