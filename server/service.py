@@ -269,6 +269,9 @@ class StageService:
             and (not msg.HasField("taken_epoch") or 0 <= msg.taken_epoch < msg.epoch)
             and (msg.HasField("taken_epoch") or not msg.taken)
             and all(map(valid_admission, msg.taken))
+            and (
+                not msg.HasField("moved_on") or (valid_admission(msg.moved_on) and msg.moved_on.admitted_at > msg.epoch)
+            )
         )
         try:
             ack = await self.collab.on_progress(msg) if ok else None

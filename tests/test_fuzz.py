@@ -166,6 +166,17 @@ class Fuzzer:
                 admitted_by=rng.choice(["", "peer", "p" * 500]),
                 signature=rng.choice([b"", b"x" * 256, b"y" * 5000]),
             )
+        if rng.random() < 0.3:  # stage 0's admission of a later epoch: garbage, not later, unsigned
+            msg.moved_on.CopyFrom(
+                pb.Admission(
+                    microbatch_id=rng.choice(["", "mb", "m" * 500]),
+                    samples=rng.choice([0, 4, -1]),
+                    global_batch=rng.choice([0, 3, -1]),
+                    admitted_at=rng.choice([0, 3, -5, 2**62]),
+                    admitted_by=rng.choice(["", "peer", "p" * 500]),
+                    signature=rng.choice([b"", b"x" * 256, b"y" * 5000]),
+                )
+            )
         return "Progress", msg.SerializeToString()
 
 

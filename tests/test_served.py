@@ -92,6 +92,37 @@ async def test_a_forged_admission_refuses_its_progress_and_early_or_our_own_prov
     assert (served.proven("b", 5), served.proven("b", 6)) == (0, 4)
 
 
+async def test_the_stage_holds_each_microbatch_once_and_a_later_admission_shows_stage_zero_moved_on(served):
+    """What may end an epoch without our own count (epoch.py `_may_end`): the samples the stage's peers proved for it,
+    each microbatch once and for the first epoch any peer named it for, or stage 0's admission of a later epoch. A
+    listed liar that names the admissions it saw in other peers' messages, or replays those of an ended epoch, adds
+    nothing to what the stage holds."""
+    await served.prove(progress("b", 4, admission("old", 4)), 4)
+    await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5)), 5)
+    assert served.distinct(5) == 8 and served.tickets.stage0_at == 5
+    await served.prove(progress("liar", 5, admission("m1", 5), admission("m2", 5), admission("old", 4)), 5)
+    assert served.proven("liar", 5) == 12  # its part may weigh copies (the group's bound limits them), but
+    assert served.distinct(5) == 8  # the stage holds no more of the epoch
+    await served.prove(progress("c", 5, admission("late", 3)), 5)  # a late Backward nobody named before joins it
+    assert served.distinct(5) == 12
+
+    shown = progress("b", 5)
+    shown.moved_on.CopyFrom(admission("next", 6))
+    await served.prove(shown, 5)
+    assert served.tickets.stage0_at == 6
+    forged = progress("liar", 5)
+    forged.moved_on.CopyFrom(admission("far", 9, signer=Identity()))
+    with pytest.raises(ForgedAdmission):
+        await served.prove(forged, 5)
+    unknown = progress("liar", 5)
+    unknown.moved_on.CopyFrom(admission("far", 9))
+    unknown.moved_on.admitted_by = Identity().peer_id  # a signer stage 0 does not list: it proves nothing
+    await served.prove(unknown, 5)
+    assert served.tickets.stage0_at == 6
+    served.forget_before(6)
+    assert served.distinct(5) == 0
+
+
 async def test_a_peer_we_have_heard_nothing_from_for_an_epoch_weighs_a_microbatch_at_most(served):
     """A joiner hears none of its peers' counts for the epoch the others are ending: a cap of 0 for each made its
     parts of the round 0/0. A peer with a Progress of that epoch weighs what it proved, nothing if it proved

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from server.collab.epoch import Phase
 from server.collab.tickets import READ_INTERVAL_S, TicketRefused, Tickets, TicketUnchecked, ticket_bytes
 from server.service import DRAIN_S, ReplyCache
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
-from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, aio_channel
+from swarm.protocol.rpc import PROTOCOL_VERSION, SERVICE, StageStub, aio_channel
 from swarm.protocol.tensors import WireStats, encode_tensor
 from tests.peers import MODEL, meet, stage_servers, start_server, wait_for_async
 from tests.stages import random_batch, raw_call
@@ -180,6 +181,77 @@ async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refus
         await wait_for_async(lambda: worker.epoch == stage_zero_at, 30, "the peer behind to catch up")
         await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-9")))
         assert worker.samples_processed == done + B
+
+
+async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_admission_of_a_later_one_does():
+    """A stage-1 peer that says the epoch is over (the global batch counted, end_epoch; a report of a later epoch; of
+    one far ahead) moves nobody while nothing proves it: its Progress is authentic and the DHT lists it, but only
+    stage 0's signed admissions show how far the stage can be (epoch.py `_may_end`). Before, the first message ended
+    the epoch: a listed liar ended the stage's epochs before their samples came. Stage 0's admission of a later epoch,
+    in the same peer's message (`moved_on`), ends it, and the peer that ended it passes the proof on."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(a := await start_server(initial_peers, stage=1))
+        servers.append(liar := await start_server(initial_peers, stage=1))
+        await meet(a, liar)
+        epoch, version = a.collab.epoch, a.worker.param_version
+
+        def said(**fields) -> pb.StageProgress:
+            identity = liar.sdht.identity
+            msg = pb.StageProgress(
+                protocol_version=PROTOCOL_VERSION, stage=1, peer_id=identity.peer_id, public_key=identity.public_key
+            )
+            for name, value in fields.items():
+                if name == "moved_on":
+                    msg.moved_on.CopyFrom(value)
+                else:
+                    setattr(msg, name, value)
+            msg.signature = identity.sign(msg.SerializeToString())
+            return msg
+
+        def stage0_admission(microbatch_id: str, admitted_at: int) -> pb.Admission:
+            ticket = signed_by(first.sdht.identity, microbatch_id, admitted_at, admitted_at)
+            return pb.Admission(
+                microbatch_id=microbatch_id,
+                samples=B,
+                global_batch=ticket.global_batch,
+                admitted_at=ticket.admitted_at,
+                admitted_by=ticket.signer,
+                signature=ticket.signature,
+            )
+
+        async def unmoved(*messages: pb.StageProgress) -> None:
+            at = a.collab.epoch
+            for msg in messages:
+                await StageStub(channel).progress(msg, timeout=5)
+            await asyncio.sleep(1.5)  # many polls (--progress-period 0.1 s)
+            assert (a.collab.epoch, a.collab.phase) == (at, Phase.ACCUMULATING)
+
+        async with aio_channel(a.record().address) as channel:
+            await unmoved(said(epoch=epoch, samples=8, end_epoch=True))  # the whole global batch, it says
+            assert a.worker.param_version == version
+
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # a proof must show a later epoch than it ends
+                await StageStub(channel).progress(
+                    said(epoch=epoch, end_epoch=True, moved_on=stage0_admission("mb-0", epoch)), timeout=5
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            forged = stage0_admission("mb-1", epoch + 1)
+            forged.admitted_at = epoch + 2  # not what stage 0 signed
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await StageStub(channel).progress(said(epoch=epoch, end_epoch=True, moved_on=forged), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert a.collab.epoch == epoch and a.collab.phase is Phase.ACCUMULATING
+
+            proof = stage0_admission("mb-1", epoch + 1)
+            await StageStub(channel).progress(said(epoch=epoch, end_epoch=True, moved_on=proof), timeout=5)
+            await wait_for_async(
+                lambda: a.collab.epoch == liar.collab.epoch == epoch + 1 and not (a.collab.busy or liar.collab.busy),
+                30,
+                "both peers to end the epoch stage 0 has left",
+            )
+            await unmoved(said(epoch=epoch + 2), said(epoch=epoch + 7, samples=8))  # ahead, and far ahead
+            assert a.collab.epoch == epoch + 1
 
 
 async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():

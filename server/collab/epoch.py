@@ -309,7 +309,7 @@ class StageCollaboration:
             self.epoch,
             self.phase.value,
         )
-        if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING:
+        if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING and self._may_end():
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         self._admission.set()
@@ -322,6 +322,28 @@ class StageCollaboration:
     def _most_samples(self) -> int:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
+
+    def _done(self) -> int:
+        """Samples of our current epoch the stage holds, as far as we can tell: ours, and those our peers' admissions
+        proved (each microbatch once: served.py `distinct`). Their counts alone are their word."""
+        return self.worker.samples_accumulated + self.served.distinct(self.epoch)
+
+    def _may_end(self) -> bool:
+        """Whether the stage may have finished our current epoch: stage 0 signed an admission of a later epoch (a
+        call's, or one a peer's Progress carried: `moved_on`), or what the stage holds of it makes the global batch.
+        A stage peer's word alone (its `end_epoch`, its report of a later epoch) does not end it: a listed peer that
+        lied so ended the stage's epochs before their samples came, and its part weighed all the round's weight. On
+        stage 0 its peers' word is enough: they sign the admissions (and end an epoch whose microbatches were lost,
+        which nothing proves)."""
+        return self.stage == 0 or self.tickets.stage0_at > self.epoch or self._done() >= self.cfg.samples_per_step
+
+    def _furthest_shown(self) -> int | None:
+        """The furthest epoch a stage peer reports, as far as stage 0's admissions show it can be: a peer at epoch E
+        finished E - 1, which needs stage 0 past it, or our own epoch proven finished."""
+        furthest, mine = self.peers.furthest(), self.epoch
+        if furthest is None or self.stage == 0:
+            return furthest
+        return min(furthest, max(self.tickets.stage0_at, mine + 1 if self._may_end() else mine))
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
@@ -355,6 +377,7 @@ class StageCollaboration:
             if self.epoch == epoch:
                 break
         end_epoch = end_epoch or epoch == ending
+        latest = self.tickets.latest  # why we end `epoch` without its global batch, if stage 0 is past it
         await self.peers.broadcast(
             epoch,
             samples,
@@ -366,6 +389,7 @@ class StageCollaboration:
             recovering=self.phase is Phase.RECOVERING,
             served=served,
             taken=taken,
+            moved_on=latest if latest is not None and latest.admitted_at > epoch else None,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
@@ -615,13 +639,13 @@ class StageCollaboration:
         if self.phase is not Phase.ACCUMULATING:
             return
         mine = self.epoch
-        ahead = self.peers.furthest()
+        ahead = self._furthest_shown()
         ahead = mine if ahead is None else ahead
         if ahead >= mine + 2 or self.diverged:
             await self._catch_up()
         elif ahead == mine + 1:  # peers just finished this epoch: join their all-reduce (or step alone, then resync)
             await self._end_epoch_once(mine)
-        elif self.worker.samples_accumulated + self.peers.samples_in(mine) >= self.cfg.samples_per_step:
+        elif self._done() >= self.cfg.samples_per_step:
             await self._broadcast(end_epoch=True)
             await self._end_epoch_once(mine)
         elif self._lost_microbatches(mine):

@@ -151,12 +151,13 @@ class StagePeers:
         recovering: bool = False,
         served: Sequence[pb.Admission] = (),
         taken: tuple[int | None, Sequence[pb.Admission]] = (None, ()),
+        moved_on: pb.Admission | None = None,
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
         last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state. `served`:
         stage 0's admissions of the microbatches behind our count (served.py), of which the message carries those
         some peer has not said it holds; `taken`: an earlier epoch whose round we are in (delayed steps), and the
-        admissions behind our weight in it."""
+        admissions behind our weight in it; `moved_on`: stage 0's admission of a later epoch than `epoch`."""
         peers = list(self.peers.items())
         keys = [ticket_key(a) for a in served]
         held = {peer_id: self._held_by(peer_id, epoch) for peer_id, _ in peers}
@@ -181,6 +182,7 @@ class StagePeers:
             served=served,
             taken_epoch=taken[0],
             taken=taken[1],
+            moved_on=moved_on,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         self.bytes_sent += msg.ByteSize() * len(peers)

@@ -27,9 +27,15 @@ peer and one epoch when:
 An honest peer whose admissions reach us late (its last Progress still in flight when the round starts) weighs a
 microbatch less in our parts for that round: every peer still ends it with the same average (the reducer sends one),
 weighted a little differently from the others' parts. A liar's part weighs what it served, plus the admissions it
-copied, within the epoch's bound. What this does not stop: a listed peer that ends an epoch early (`end_epoch`) when
-the honest peers hold few samples and copies their admissions still weighs as much as all of them together in that
-round.
+copied, within the epoch's bound.
+
+The same proofs say when the stage may end an epoch without stage 0's word (epoch.py `_may_end`): once the samples
+proven for it, each admission once and for the first epoch any peer named it for (`distinct`), make the global batch.
+A peer's count, its `end_epoch` and its report of a later epoch are its word: a listed liar ended the stage's epochs
+before their samples came, and copying the honest peers' admissions then made its part weigh as much as all of
+theirs. Copied and replayed admissions add nothing to `distinct`; what a liar can still do is name the admissions of
+microbatches it forwarded before their Backwards come, ending the epoch once all of them have passed it (those
+Backwards then join the next epoch, as late ones do).
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ class Served:
         self._unchecked: OrderedDict[tuple[int, str], tuple[float, dict[tuple, pb.Admission]]] = OrderedDict()
         # (epoch, peer id) -> the keys of every admission of that epoch it sent us (`held`)
         self._held: OrderedDict[tuple[int, str], set[tuple]] = OrderedDict()
+        # admission -> the first epoch any peer proved it for, and epoch -> the samples of those first proven for it:
+        # what the stage's peers hold of an epoch, each microbatch once (`distinct`)
+        self._first: OrderedDict[tuple, int] = OrderedDict()
+        self._distinct: dict[int, int] = {}
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress, current: int) -> None:
@@ -82,11 +92,14 @@ class Served:
             lists.append((int(msg.taken_epoch), msg.taken))
         lists = [(epoch, served) for epoch, served in lists if current - KEEP_EPOCHS <= epoch <= current + 1]
         peer, arrived = msg.peer_id, time.monotonic()
-        if any(a.admitted_by not in self.tickets.signers for _, served in lists for a in served):
+        moved_on = [msg.moved_on] if msg.HasField("moved_on") else []
+        if any(a.admitted_by not in self.tickets.signers for _, served in [*lists, (0, moved_on)] for a in served):
             # a stage-0 peer we have not heard of: read stage 0's records, but not for long: the sender waits for our
             # answer. An admission still unknown proves nothing now; it is checked again before the round (`settle`)
             await self.tickets.read_signers_since(arrived, SIGNER_READ_S)
         checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
+        if moved_on and self._verify(msg.moved_on):  # unknown still: proves nothing (the sender's next one may)
+            self.tickets.witness(msg.moved_on)
         if lists and lists[0][0] == msg.epoch:  # what it sent us of `served`, but those we could not check yet: it
             # sends them again until we can (a recheck that `_unchecked` lost is not a proof lost)
             held = self._held.pop((int(msg.epoch), peer), set())  # to the end: the latest
@@ -145,8 +158,13 @@ class Served:
             self._claimed[key, peer] = epoch
             proven = self._proven.setdefault(epoch, {})
             proven[peer] = proven.get(peer, 0) + samples
+            if key not in self._first:
+                self._first[key] = epoch
+                self._distinct[epoch] = self._distinct.get(epoch, 0) + samples
         while len(self._claimed) > MAX_CLAIMED:
             self._claimed.popitem(last=False)
+        while len(self._first) > MAX_CLAIMED:
+            self._first.popitem(last=False)
 
     def _check(self, peer: str, epoch: int, served) -> tuple[dict[tuple, int], dict[tuple, pb.Admission]]:
         """(the samples of the admissions `served` proves for `peer` at `epoch` that it has not named before, those
@@ -159,16 +177,24 @@ class Served:
                 continue
             if a.global_batch > epoch:
                 continue  # a later batch's is claimed when it is counted for its own epoch
-            public_key = self.tickets.signers.get(a.admitted_by)
-            if public_key is None:
+            if not self._verify(a):
                 unknown[key] = a
                 continue
-            signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
-            if not verify(public_key, signed, a.signature):
-                self.forged += 1
-                raise ForgedAdmission(f"progress: admission {a.microbatch_id[:40]!r} does not verify")
             valid[key] = int(a.samples)
+            self.tickets.witness(a)
         return valid, unknown
+
+    def _verify(self, a: pb.Admission) -> bool:
+        """Whether a stage-0 peer signed `a` (False: a signer we do not know); raises ForgedAdmission if its signer's
+        key did not sign it."""
+        public_key = self.tickets.signers.get(a.admitted_by)
+        if public_key is None:
+            return False
+        signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
+        if not verify(public_key, signed, a.signature):
+            self.forged += 1
+            raise ForgedAdmission(f"progress: admission {a.microbatch_id[:40]!r} does not verify")
+        return True
 
     def held(self, peer_id: str, epoch: int) -> int:
         """How many distinct admissions of `epoch` `peer_id` sent us (ProgressAck.served_held): it leaves them out of
@@ -179,6 +205,12 @@ class Served:
     def proven(self, peer_id: str, epoch: int) -> int:
         """Samples `peer_id` proved it holds for `epoch` (any thread: reads a copy)."""
         return dict(self._proven.get(epoch, {})).get(peer_id, 0)
+
+    def distinct(self, epoch: int) -> int:
+        """Samples our stage peers proved they hold for `epoch`, each admission once, and only for the first epoch
+        any of them named it for: a peer that names the admissions it saw in other peers' messages, or replays those
+        of ended epochs, adds nothing. A Backward served here is ours (the worker counts it), not theirs."""
+        return self._distinct.get(epoch, 0)
 
     def cap(self, peer_id: str, epoch: int, unheard: float) -> float:
         """Any thread: the most `peer_id`'s part weighs in our parts of `epoch`'s round: what it proved, or `unheard`
@@ -195,6 +227,8 @@ class Served:
             del self._proven[old]
         for old in [e for e in self._heard if e < epoch]:
             del self._heard[old]
+        for old in [e for e in self._distinct if e < epoch]:
+            del self._distinct[old]
         for key in [k for k in self._unchecked if k[0] < epoch]:
             del self._unchecked[key]
         for key in [k for k in self._held if k[0] < epoch]:

@@ -101,6 +101,19 @@ class Tickets:
         self._read = ThrottledRead(self._refresh, READ_INTERVAL_S, timeout)
         self.spent: OrderedDict[tuple, None] = OrderedDict()  # tickets a Backward here has used
         self.refused = 0
+        # the verified admission signed at the latest epoch of stage 0 (a call's, or a Progress's: served.py): the
+        # proof that stage 0 has finished every epoch before its `admitted_at` (epoch.py `_may_end`)
+        self.latest: pb.Admission | None = None
+
+    @property
+    def stage0_at(self) -> int:
+        """The latest epoch of stage 0 a verified admission shows (-1: none seen)."""
+        return -1 if self.latest is None else int(self.latest.admitted_at)
+
+    def witness(self, admission: pb.Admission) -> None:
+        """`admission` verified against a stage-0 key: keep it if it shows stage 0 at a later epoch than we knew."""
+        if admission.admitted_at > self.stage0_at:
+            self.latest = admission
 
     def sign(self, microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> tuple[str, bytes]:
         """Stage 0: (our peer id, our signature) of an admission."""
@@ -145,6 +158,8 @@ class Tickets:
         signed = ticket_bytes(meta.microbatch_id, samples, meta.global_batch, meta.admitted_at)
         if not verify(key, signed, meta.admission_signature):
             raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
+        if meta.admitted_at > self.stage0_at:
+            self.witness(admission_of(meta, samples))
         if backward:
             ticket = ticket_key(meta)
             if ticket in self.spent:

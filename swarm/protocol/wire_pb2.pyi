@@ -176,7 +176,7 @@ class Traffic(_message.Message):
     def __init__(self, role: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering", "served", "taken_epoch", "taken")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering", "served", "taken_epoch", "taken", "moved_on")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class StageProgress(_message.Message):
     SERVED_FIELD_NUMBER: _ClassVar[int]
     TAKEN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TAKEN_FIELD_NUMBER: _ClassVar[int]
+    MOVED_ON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -215,7 +216,8 @@ class StageProgress(_message.Message):
     served: _containers.RepeatedCompositeFieldContainer[Admission]
     taken_epoch: int
     taken: _containers.RepeatedCompositeFieldContainer[Admission]
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ..., served: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., taken_epoch: _Optional[int] = ..., taken: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ...) -> None: ...
+    moved_on: Admission
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ..., served: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., taken_epoch: _Optional[int] = ..., taken: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., moved_on: _Optional[_Union[Admission, _Mapping]] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("microbatch_id", "samples", "global_batch", "admitted_at", "admitted_by", "signature")
