@@ -92,19 +92,24 @@ async def test_a_forged_admission_refuses_its_progress_and_early_or_our_own_prov
     assert (served.proven("b", 5), served.proven("b", 6)) == (0, 4)
 
 
-async def test_the_stage_holds_each_microbatch_once_and_a_later_admission_shows_stage_zero_moved_on(served):
-    """What may end an epoch without our own count (epoch.py `_may_end`): the samples the stage's peers proved for it,
-    each microbatch once and for the first epoch any peer named it for, or stage 0's admission of a later epoch. A
-    listed liar that names the admissions it saw in other peers' messages, or replays those of an ended epoch, adds
-    nothing to what the stage holds."""
+async def test_the_stage_holds_each_microbatch_of_its_batch_once_and_a_later_admission_shows_stage_zero_moved_on(
+    served,
+):
+    """What may end an epoch without our own count (epoch.py `_may_end`): the samples of its global batch the stage's
+    peers proved, each microbatch once, or stage 0's admission of a later epoch. A listed liar that names the
+    admissions it saw in other peers' messages, replays those of an ended epoch, or names this epoch's under the next
+    adds nothing to what the stage holds of either."""
     await served.prove(progress("b", 4, admission("old", 4)), 4)
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5)), 5)
     assert served.distinct(5) == 8 and served.tickets.stage0_at == 5
     await served.prove(progress("liar", 5, admission("m1", 5), admission("m2", 5), admission("old", 4)), 5)
     assert served.proven("liar", 5) == 12  # its part may weigh copies (the group's bound limits them), but
-    assert served.distinct(5) == 8  # the stage holds no more of the epoch
-    await served.prove(progress("c", 5, admission("late", 3)), 5)  # a late Backward nobody named before joins it
-    assert served.distinct(5) == 12
+    assert served.distinct(5) == 8  # the stage holds no more of the batch
+    await served.prove(progress("liar", 6, admission("m3", 5)), 5)  # a microbatch of batch 5, dated 6
+    await served.prove(progress("c", 5, admission("m3", 5), admission("late", 3)), 5)
+    assert (served.distinct(5), served.distinct(6)) == (12, 0)  # a late Backward joins the gradients, not the batch
+    served.tickets.spent[ticket_key(admission("m3", 5))] = None  # its Backward came here again: the worker counts it
+    assert served.distinct(5) == 8
 
     shown = progress("b", 5)
     shown.moved_on.CopyFrom(admission("next", 6))

@@ -188,7 +188,8 @@ async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_adm
     one far ahead) moves nobody while nothing proves it: its Progress is authentic and the DHT lists it, but only
     stage 0's signed admissions show how far the stage can be (epoch.py `_may_end`). Before, the first message ended
     the epoch: a listed liar ended the stage's epochs before their samples came. Stage 0's admission of a later epoch,
-    in the same peer's message (`moved_on`), ends it, and the peer that ended it passes the proof on."""
+    in the same peer's message (`moved_on`), ends it, and the peer that ended it passes the proof on. (In the epoch
+    a peer joined in, its peers' word goes: the proofs of that epoch came before it did.)"""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(a := await start_server(initial_peers, stage=1))
@@ -228,6 +229,16 @@ async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_adm
             assert (a.collab.epoch, a.collab.phase) == (at, Phase.ACCUMULATING)
 
         async with aio_channel(a.record().address) as channel:
+            # past the epochs both joined in, on a proof
+            await StageStub(channel).progress(
+                said(epoch=epoch, end_epoch=True, moved_on=stage0_admission("mb-0", epoch + 1)), timeout=5
+            )
+            await wait_for_async(
+                lambda: a.collab.epoch == liar.collab.epoch == epoch + 1 and not (a.collab.busy or liar.collab.busy),
+                30,
+                "both peers to end the epoch they joined in",
+            )
+            epoch, version = epoch + 1, a.worker.param_version
             await unmoved(said(epoch=epoch, samples=8, end_epoch=True))  # the whole global batch, it says
             assert a.worker.param_version == version
 

@@ -157,6 +157,7 @@ class StageCollaboration:
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
+        self._joined_at = -1  # the epoch we started serving the stage in (`_trusting`)
         self._averaged: int | None = None  # the last epoch whose stage round ended for us (our Progress says it)
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
@@ -239,6 +240,7 @@ class StageCollaboration:
         """Start watching the stage. Call after `join` (and any checkpoint load)."""
         self.averaging.state.state_sharing_priority = self.worker.param_version
         self._loop = self.recovery.loop = asyncio.get_running_loop()
+        self._joined_at = self.epoch
         if self.tied is not None:
             self.tied.loop = self._loop
         await self._refresh_tied()
@@ -324,26 +326,35 @@ class StageCollaboration:
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
     def _done(self) -> int:
-        """Samples of our current epoch the stage holds, as far as we can tell: ours, and those our peers' admissions
-        proved (each microbatch once: served.py `distinct`). Their counts alone are their word."""
+        """Samples of our current epoch's global batch the stage holds, as far as we can tell: ours, and those our
+        peers' admissions proved (each microbatch once: served.py `distinct`). Their counts alone are their word."""
         return self.worker.samples_accumulated + self.served.distinct(self.epoch)
+
+    def _trusting(self) -> bool:
+        """Whether a stage peer's word alone ends our epoch. On stage 0: its peers sign the admissions anyway, and
+        end an epoch whose microbatches were lost, which nothing proves. In the epoch we joined the stage in: the
+        proofs of its first samples came before we did (a restarted peer would wait for stage 0 to move on, and with
+        tied embeddings stage 0 waits in the tied round for it)."""
+        return self.stage == 0 or self.epoch <= self._joined_at
 
     def _may_end(self) -> bool:
         """Whether the stage may have finished our current epoch: stage 0 signed an admission of a later epoch (a
         call's, or one a peer's Progress carried: `moved_on`), or what the stage holds of it makes the global batch.
-        A stage peer's word alone (its `end_epoch`, its report of a later epoch) does not end it: a listed peer that
-        lied so ended the stage's epochs before their samples came, and its part weighed all the round's weight. On
-        stage 0 its peers' word is enough: they sign the admissions (and end an epoch whose microbatches were lost,
-        which nothing proves)."""
-        return self.stage == 0 or self.tickets.stage0_at > self.epoch or self._done() >= self.cfg.samples_per_step
+        A stage peer's word alone (its `end_epoch`, its report of a later epoch) does not end it (`_trusting` aside):
+        a listed peer that lied so ended the stage's epochs before their samples came, and its part weighed all the
+        round's weight."""
+        return self._trusting() or self.tickets.stage0_at > self.epoch or self._done() >= self.cfg.samples_per_step
 
     def _furthest_shown(self) -> int | None:
-        """The furthest epoch a stage peer reports, as far as stage 0's admissions show it can be: a peer at epoch E
-        finished E - 1, which needs stage 0 past it, or our own epoch proven finished."""
-        furthest, mine = self.peers.furthest(), self.epoch
-        if furthest is None or self.stage == 0:
+        """The furthest epoch a stage peer reports, as far as stage 0's admissions show it can be (`_trusting`
+        aside): a peer at epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and a
+        stage-1 peer may have finished A itself (on its count, before stage 0 did); our own epoch, when proven."""
+        furthest, mine, at = self.peers.furthest(), self.epoch, self.tickets.stage0_at
+        if furthest is None or self._trusting():
             return furthest
-        return min(furthest, max(self.tickets.stage0_at, mine + 1 if self._may_end() else mine))
+        if at > mine:
+            return min(furthest, at + 1)
+        return min(furthest, mine + 1 if self._done() >= self.cfg.samples_per_step else mine)
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""

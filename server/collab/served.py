@@ -30,11 +30,11 @@ weighted a little differently from the others' parts. A liar's part weighs what 
 copied, within the epoch's bound.
 
 The same proofs say when the stage may end an epoch without stage 0's word (epoch.py `_may_end`): once the samples
-proven for it, each admission once and for the first epoch any peer named it for (`distinct`), make the global batch.
-A peer's count, its `end_epoch` and its report of a later epoch are its word: a listed liar ended the stage's epochs
-before their samples came, and copying the honest peers' admissions then made its part weigh as much as all of
-theirs. Copied and replayed admissions add nothing to `distinct`; what a liar can still do is name the admissions of
-microbatches it forwarded before their Backwards come, ending the epoch once all of them have passed it (those
+proven for it, each microbatch of its global batch once (`distinct`), make the global batch. A peer's count, its
+`end_epoch` and its report of a later epoch are its word: a listed liar ended the stage's epochs before their samples
+came, and copying the honest peers' admissions then made its part weigh as much as all of theirs. Copied, replayed,
+late and misdated admissions add nothing to `distinct`; what a liar can still do is name the admissions of the
+microbatches it forwarded before their Backwards come, so that the epoch ends once they have all passed it (those
 Backwards then join the next epoch, as late ones do).
 """
 
@@ -74,10 +74,8 @@ class Served:
         self._unchecked: OrderedDict[tuple[int, str], tuple[float, dict[tuple, pb.Admission]]] = OrderedDict()
         # (epoch, peer id) -> the keys of every admission of that epoch it sent us (`held`)
         self._held: OrderedDict[tuple[int, str], set[tuple]] = OrderedDict()
-        # admission -> the first epoch any peer proved it for, and epoch -> the samples of those first proven for it:
-        # what the stage's peers hold of an epoch, each microbatch once (`distinct`)
-        self._first: OrderedDict[tuple, int] = OrderedDict()
-        self._distinct: dict[int, int] = {}
+        # epoch -> the admissions of its own global batch our peers proved -> their samples (`distinct`)
+        self._distinct: dict[int, dict[tuple, int]] = {}
         self.forged = 0  # admissions whose signature did not verify
 
     async def prove(self, msg: pb.StageProgress, current: int) -> None:
@@ -158,13 +156,12 @@ class Served:
             self._claimed[key, peer] = epoch
             proven = self._proven.setdefault(epoch, {})
             proven[peer] = proven.get(peer, 0) + samples
-            if key not in self._first:
-                self._first[key] = epoch
-                self._distinct[epoch] = self._distinct.get(epoch, 0) + samples
+            _, _, global_batch, _ = key
+            batch = self._distinct.setdefault(epoch, {})
+            if global_batch == epoch and len(batch) < MAX_HELD:
+                batch[key] = samples
         while len(self._claimed) > MAX_CLAIMED:
             self._claimed.popitem(last=False)
-        while len(self._first) > MAX_CLAIMED:
-            self._first.popitem(last=False)
 
     def _check(self, peer: str, epoch: int, served) -> tuple[dict[tuple, int], dict[tuple, pb.Admission]]:
         """(the samples of the admissions `served` proves for `peer` at `epoch` that it has not named before, those
@@ -207,10 +204,13 @@ class Served:
         return dict(self._proven.get(epoch, {})).get(peer_id, 0)
 
     def distinct(self, epoch: int) -> int:
-        """Samples our stage peers proved they hold for `epoch`, each admission once, and only for the first epoch
-        any of them named it for: a peer that names the admissions it saw in other peers' messages, or replays those
-        of ended epochs, adds nothing. A Backward served here is ours (the worker counts it), not theirs."""
-        return self._distinct.get(epoch, 0)
+        """Samples of `epoch`'s global batch our stage peers proved they hold, each microbatch once, less those whose
+        Backward was served here (the worker counts ours). Admissions of other batches add nothing: a late Backward's
+        samples join the epoch's gradients but not its global batch (the worker does not count its own either), and
+        a peer that names the admissions it saw in other peers' messages, replays those of ended epochs, or names
+        this epoch's under the next adds nothing to either epoch."""
+        spent = self.tickets.spent
+        return sum(n for key, n in dict(self._distinct.get(epoch, {})).items() if key not in spent)
 
     def cap(self, peer_id: str, epoch: int, unheard: float) -> float:
         """Any thread: the most `peer_id`'s part weighs in our parts of `epoch`'s round: what it proved, or `unheard`
