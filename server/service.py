@@ -514,13 +514,17 @@ class StageService:
         read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())
         started = time.monotonic()
         try:
-            reading = read_call(raw_frames, limits, self.budget, caller, idle_timeout=IDLE_READ_S, on_meta=on_meta)
-            return await asyncio.wait_for(reading, read_for)
+            # in this task: asyncio.wait_for ran the read as a task of its own, and when the caller cancelled the call
+            # as that task failed, its exception was never retrieved (logged as an asyncio error, 6 times in a soak)
+            async with asyncio.timeout(read_for):
+                return await read_call(
+                    raw_frames, limits, self.budget, caller, idle_timeout=IDLE_READ_S, on_meta=on_meta
+                )
         except TimeoutError:
             raise DeadlineExpired from None
         except (WireError, Busy, TicketRefused) as e:
-            # asyncio's wait_for keeps the exception in a task its frame refers to: drop the traceback (the reader's
-            # frames and the payload they hold) so that nothing but the garbage collector would free them
+            # drop the traceback (the reader's frames and the payload they hold) so that nothing but the garbage
+            # collector would free them
             e.with_traceback(None)
             seconds = min(read_for - (time.monotonic() - started), DRAIN_S)
             await self.drains.drain(raw_frames, 2 * limits.max_tensor_bytes + CHUNK_BYTES, seconds, self._arrived)
