@@ -189,7 +189,8 @@ async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_adm
     stage 0's signed admissions show how far the stage can be (epoch.py `_may_end`). Before, the first message ended
     the epoch: a listed liar ended the stage's epochs before their samples came. Stage 0's admission of a later epoch,
     in the same peer's message (`moved_on`), ends it, and the peer that ended it passes the proof on. (In the epoch
-    a peer joined in, its peers' word goes: the proofs of that epoch came before it did.)"""
+    a peer joined in, its peers' word goes: the proofs of that epoch came before it did.) A peer that reports an
+    epoch stage 0 does not show possible is left out: nobody copies it."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(a := await start_server(initial_peers, stage=1))
@@ -263,6 +264,14 @@ async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_adm
             )
             await unmoved(said(epoch=epoch + 2), said(epoch=epoch + 7, samples=8))  # ahead, and far ahead
             assert a.collab.epoch == epoch + 1
+
+        # stage 0 is 3 epochs on: no peer is shown ahead (the liar's epoch is past what stage 0 shows possible), so
+        # the stage skips to it rather than copy the liar's state or refuse work as behind with nobody to copy
+        downloads, failed, skip_to = a.collab.recovery.downloads, a.collab.rounds_failed, epoch + 4
+        ahead = signed_by(first.sdht.identity, "mb-3", skip_to, skip_to)
+        await raw_call(a.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-3")))
+        await wait_for_async(lambda: a.collab.epoch == skip_to and not a.collab.busy, 30, "the peer to skip")
+        assert a.collab.recovery.downloads == downloads and a.collab.rounds_failed == failed
 
 
 async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():

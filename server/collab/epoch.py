@@ -135,6 +135,7 @@ class StageCollaboration:
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)
         self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
+        self.peers.shown_limit = self._shown_limit  # how far a peer can be is what stage 0's admissions show
         self.averaging.cap_weights(self._proven_weights)
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage
@@ -157,7 +158,7 @@ class StageCollaboration:
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
-        self._joined_at = -1  # the epoch we started serving the stage in (`_trusting`)
+        self._joined_at: int | None = None  # the epoch we started serving the stage in (`_trusting`)
         self._averaged: int | None = None  # the last epoch whose stage round ended for us (our Progress says it)
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
@@ -335,7 +336,7 @@ class StageCollaboration:
         end an epoch whose microbatches were lost, which nothing proves. In the epoch we joined the stage in: the
         proofs of its first samples came before we did (a restarted peer would wait for stage 0 to move on, and with
         tied embeddings stage 0 waits in the tied round for it)."""
-        return self.stage == 0 or self.epoch <= self._joined_at
+        return self.stage == 0 or self._joined_at is None or self.epoch <= self._joined_at
 
     def _may_end(self) -> bool:
         """Whether the stage may have finished our current epoch: stage 0 signed an admission of a later epoch (a
@@ -345,16 +346,19 @@ class StageCollaboration:
         round's weight."""
         return self._trusting() or self.tickets.stage0_at > self.epoch or self._done() >= self.cfg.samples_per_step
 
-    def _furthest_shown(self) -> int | None:
-        """The furthest epoch a stage peer reports, as far as stage 0's admissions show it can be (`_trusting`
-        aside): a peer at epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and a
-        stage-1 peer may have finished A itself (on its count, before stage 0 did); our own epoch, when proven."""
-        furthest, mine, at = self.peers.furthest(), self.epoch, self.tickets.stage0_at
-        if furthest is None or self._trusting():
-            return furthest
+    def _shown_limit(self) -> int | None:
+        """Any thread: the latest epoch stage 0's admissions show a stage peer can be at (None: its word goes,
+        `_trusting`). A peer at epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and
+        a peer of a later stage may have finished A itself (on its count, before stage 0 did); our own epoch, when
+        proven. Our view of the peers leaves out one that reports more (StagePeers `shown_limit`), rather than take
+        it as far as it can be: else a liar's far epoch made us copy its state, give up our round as over for
+        everyone, or refuse work as behind with nobody shown ahead to copy."""
+        if self._trusting():
+            return None
+        mine, at = self.epoch, self.tickets.stage0_at
         if at > mine:
-            return min(furthest, at + 1)
-        return min(furthest, mine + 1 if self._done() >= self.cfg.samples_per_step else mine)
+            return at + 1
+        return mine + 1 if self._done() >= self.cfg.samples_per_step else mine
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
@@ -650,7 +654,7 @@ class StageCollaboration:
         if self.phase is not Phase.ACCUMULATING:
             return
         mine = self.epoch
-        ahead = self._furthest_shown()
+        ahead = self.peers.furthest()
         ahead = mine if ahead is None else ahead
         if ahead >= mine + 2 or self.diverged:
             await self._catch_up()

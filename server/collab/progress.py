@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -56,6 +56,9 @@ class StagePeers:
         # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
         self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
+        # the latest epoch stage 0's admissions show a peer can be at (None: any): a peer that reports more is left
+        # out of what the queries below say of the peers' epochs (epoch.py `_shown_limit`; any thread)
+        self.shown_limit: Callable[[], int | None] = lambda: None
 
     @staticmethod
     def forged(msg: pb.StageProgress) -> str | None:
@@ -280,8 +283,13 @@ class StagePeers:
 
     # --- queries (any thread: they copy what the event loop updates) -----------------------------------------------
 
+    def _shown(self) -> dict[str, tuple[int, int]]:
+        """`view`, less the peers whose epoch stage 0's admissions do not show possible (`shown_limit`)."""
+        view, limit = dict(self.view), self.shown_limit()
+        return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
+
     def furthest(self) -> int | None:
-        return max((e for e, _ in dict(self.view).values()), default=None)
+        return max((e for e, _ in self._shown().values()), default=None)
 
     def samples_in(self, epoch: int) -> int:
         """Samples the other peers reported for `epoch`, as they stand in their latest messages."""
@@ -289,7 +297,7 @@ class StagePeers:
 
     def ahead_of(self, epoch: int) -> list[str]:
         """Stage peers that have finished `epoch`, by peer id."""
-        return sorted(p for p, (e, _) in dict(self.view).items() if e > epoch)
+        return sorted(p for p, (e, _) in self._shown().items() if e > epoch)
 
     def all_ahead_of(self, epoch: int) -> bool:
         return set(self.peers) <= set(self.ahead_of(epoch))
@@ -302,7 +310,7 @@ class StagePeers:
         retried our round of 243 with it for 30 s (the delayed soak)."""
         if not delayed:
             return self.all_ahead_of(epoch)
-        view, averaged = dict(self.view), dict(self.averaged)
+        view, averaged = self._shown(), dict(self.averaged)
         return all(averaged.get(p, -1) >= epoch or view.get(p, (-1, 0))[0] >= epoch + 2 for p in self.peers)
 
     def averaged_since(self, epoch: int) -> list[str]:
@@ -373,7 +381,7 @@ class StagePeers:
         return list(dict(self.p2p_ids).values())
 
     def epochs_of(self) -> dict[str, int]:
-        return {p: e for p, (e, _) in dict(self.view).items()}
+        return {p: e for p, (e, _) in self._shown().items()}
 
     def forget_before(self, epoch: int) -> None:
         """Event loop: counts of epochs before `epoch` are no longer needed."""

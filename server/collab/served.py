@@ -96,8 +96,11 @@ class Served:
             # answer. An admission still unknown proves nothing now; it is checked again before the round (`settle`)
             await self.tickets.read_signers_since(arrived, SIGNER_READ_S)
         checked = [self._check(peer, epoch, served) for epoch, served in lists]  # raises before anything counts
-        if moved_on and self._verify(msg.moved_on):  # unknown still: proves nothing (the sender's next one may)
-            self.tickets.witness(msg.moved_on)
+        # how far stage 0 is, from a message of an epoch outside our window too (a peer far ahead of us: we catch up
+        # once stage 0's admissions show it can be there), at one signature check a message
+        latest = max([*moved_on, *msg.served, *msg.taken], key=lambda a: a.admitted_at, default=None)
+        if latest is not None and latest.admitted_at > self.tickets.stage0_at and self._verify(latest):
+            self.tickets.witness(latest)  # unknown still: proves nothing (the sender's next one may)
         if lists and lists[0][0] == msg.epoch:  # what it sent us of `served`, but those we could not check yet: it
             # sends them again until we can (a recheck that `_unchecked` lost is not a proof lost)
             held = self._held.pop((int(msg.epoch), peer), set())  # to the end: the latest
