@@ -274,6 +274,50 @@ async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_adm
         assert a.collab.recovery.downloads == downloads and a.collab.rounds_failed == failed
 
 
+async def test_a_peer_that_finished_the_epoch_stays_in_view_while_our_round_of_it_runs():
+    """Ending an epoch takes our samples out of our count, so the count and our peers' admissions no longer show the
+    epoch finished while our round of it runs. We end an epoch only on proof, so the one we are ending counts as
+    proven (epoch.py `_shown_limit`): a peer that reports the next epoch meanwhile stays in view. Before, such a peer
+    was left out of the round's "over for everyone" check and of the recovery after a failed round."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(a := await start_server(initial_peers, stage=1))
+        servers.append(b := await start_server(initial_peers, stage=1))
+        await meet(a, b)
+        epoch = a.collab.epoch + 1  # past the epoch both joined in (there a peer's word goes), on stage 0's word
+
+        def backward(microbatch_id: str) -> list[bytes]:
+            return last_stage_backward(
+                meta_of(signed_by(first.sdht.identity, microbatch_id, epoch, epoch), microbatch_id)
+            )
+
+        await raw_call(a.record().address, "Backward", backward("mb-0"))
+        await wait_for_async(
+            lambda: a.collab.epoch == b.collab.epoch == epoch and not (a.collab.busy or b.collab.busy),
+            30,
+            "both peers to leave the epoch they joined in",
+        )
+        average, seen = a.collab._average, []
+
+        def average_and_look(*args):
+            seen.append((a.worker.samples_accumulated, a.collab._shown_limit()))
+            return average(*args)
+
+        a.collab._average = average_and_look
+        try:  # the global batch (8 samples): 4 on each peer, each proving its own to the other
+            await raw_call(a.record().address, "Backward", backward("mb-1"))
+            await raw_call(b.record().address, "Backward", backward("mb-2"))
+            await raw_call(b.record().address, "Backward", backward("mb-3"))
+            await wait_for_async(
+                lambda: a.collab.epoch == b.collab.epoch == epoch + 1 and not (a.collab.busy or b.collab.busy),
+                30,
+                "both peers to end the epoch on their counts",
+            )
+        finally:
+            a.collab._average = average
+        assert seen == [(0, epoch + 1)], seen
+
+
 async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():
     """On stage 0 the admission's signer is a peer of the same stage, at the admission's epoch when it signed. A
     stage-0 peer two epochs behind it refuses that Backward (UNAVAILABLE, nothing computed) even before any Progress

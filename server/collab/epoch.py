@@ -349,16 +349,20 @@ class StageCollaboration:
     def _shown_limit(self) -> int | None:
         """Any thread: the latest epoch stage 0's admissions show a stage peer can be at (None: its word goes,
         `_trusting`). A peer at epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and
-        a peer of a later stage may have finished A itself (on its count, before stage 0 did); our own epoch, when
-        proven. Our view of the peers leaves out one that reports more (StagePeers `shown_limit`), rather than take
-        it as far as it can be: else a liar's far epoch made us copy its state, give up our round as over for
-        everyone, or refuse work as behind with nobody shown ahead to copy."""
+        a peer of a later stage may have finished A itself (on its count, before stage 0 did; and the epochs after
+        A that stage 0 admitted early, --lookahead-samples); our own epoch, once proven, and while we end it (its
+        samples have left our count then: an honest peer that finished it must stay in view while our round runs).
+        Our view of the peers leaves out one that reports more (StagePeers `shown_limit`), rather than take it as
+        far as it can be: else a liar's far epoch made us copy its state, give up our round as over for everyone,
+        or refuse work as behind with nobody shown ahead to copy."""
         if self._trusting():
             return None
-        mine, at = self.epoch, self.tickets.stage0_at
+        mine, at, ending = self.epoch, self.tickets.stage0_at, self._ending
+        early = self.cfg.lookahead_samples // self.cfg.samples_per_step  # whole epochs admitted early
         if at > mine:
-            return at + 1
-        return mine + 1 if self._done() >= self.cfg.samples_per_step else mine
+            return at + 1 + early
+        proven = (ending is not None and ending >= mine) or self._done() >= self.cfg.samples_per_step
+        return mine + 1 + early if proven else mine
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
