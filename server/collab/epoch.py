@@ -572,13 +572,14 @@ class StageCollaboration:
         if not meta.HasField("admitted_at"):
             return
         await self._step_before(meta.admitted_at, deadline)
-        admitted_at, epoch, furthest = meta.admitted_at, self.epoch, self.peers.furthest()
+        admitted_at, epoch = meta.admitted_at, self.epoch
         # on stage 0, the admission's signer is a peer of ours, and it was at `admitted_at` when it signed: a peer
         # thawed after a freeze took such a Backward before it heard that its peer was ahead, skipped to the
         # admission's epoch, and lost the gradient when it caught up (a soak's 30 s stall: stage 0 waited
         # --admission-timeout for those samples)
         signer_ahead = self.stage == 0 and meta.admitted_by != self.sdht.peer_id
-        if admitted_at >= epoch + 2 and (signer_ahead or (furthest is not None and furthest > epoch)):
+        # (the peers' epochs only then: reading them adds up what our peers proved, on every call otherwise)
+        if admitted_at >= epoch + 2 and (signer_ahead or (self.peers.furthest() or -1) > epoch):
             # a peer of ours is ahead: we missed its epochs. With none ahead, the whole stage is behind stage 0 (it
             # ended epochs without us, on --admission-timeout): we end ours and skip the rest, as do our peers on
             # their next call, rather than each wait for another to catch up from (they all would, for ever)

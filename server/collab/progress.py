@@ -310,18 +310,18 @@ class StagePeers:
         retried our round of 243 with it for 30 s (the delayed soak)."""
         if not delayed:
             return self.all_ahead_of(epoch)
-        view, averaged = self._shown(), self._shown_averaged()
+        view = self._shown()
+        averaged = self._shown_averaged(view)
         return all(averaged.get(p, -1) >= epoch or view.get(p, (-1, 0))[0] >= epoch + 2 for p in self.peers)
 
-    def _shown_averaged(self) -> dict[str, int]:
-        """`averaged`, of the peers `_shown` keeps: a peer left out of it says nothing of its rounds either."""
-        shown = self._shown()
+    def _shown_averaged(self, shown: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """`averaged`, of the peers `shown` (`_shown`) keeps: a peer left out says nothing of its rounds either."""
         return {p: e for p, e in dict(self.averaged).items() if p in shown}
 
     def averaged_since(self, epoch: int) -> list[str]:
         """Live peers whose stage round of `epoch`, or of a later epoch, ended."""
         live = set(self.peers)
-        return sorted(p for p, e in self._shown_averaged().items() if e >= epoch and p in live)
+        return sorted(p for p, e in self._shown_averaged(self._shown()).items() if e >= epoch and p in live)
 
     def group_size(self, epoch: int) -> int:
         """Us and every peer we know of, or that reported `epoch`, except those that reported an epoch before

@@ -44,8 +44,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from dht.identity import verify
-from server.collab.tickets import Tickets, ticket_bytes, ticket_key
+from server.collab.tickets import Tickets, ticket_key
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -187,11 +186,10 @@ class Served:
     def _verify(self, a: pb.Admission) -> bool:
         """Whether a stage-0 peer signed `a` (False: a signer we do not know); raises ForgedAdmission if its signer's
         key did not sign it."""
-        public_key = self.tickets.signers.get(a.admitted_by)
-        if public_key is None:
+        verified = self.tickets.verified(a)
+        if verified is None:
             return False
-        signed = ticket_bytes(a.microbatch_id, int(a.samples), int(a.global_batch), int(a.admitted_at))
-        if not verify(public_key, signed, a.signature):
+        if not verified:
             self.forged += 1
             raise ForgedAdmission(f"progress: admission {a.microbatch_id[:40]!r} does not verify")
         return True

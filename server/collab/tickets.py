@@ -110,6 +110,15 @@ class Tickets:
         """The latest epoch of stage 0 a verified admission shows (-1: none seen)."""
         return -1 if self.latest is None else int(self.latest.admitted_at)
 
+    def verified(self, admission: pb.Admission) -> bool | None:
+        """Whether the stage-0 peer `admission` names signed it, as a call or a Progress carries it (None: a signer
+        we do not know)."""
+        key = self.signers.get(admission.admitted_by)
+        if key is None:
+            return None
+        a = admission
+        return verify(key, ticket_bytes(a.microbatch_id, a.samples, a.global_batch, a.admitted_at), a.signature)
+
     def witness(self, admission: pb.Admission) -> None:
         """`admission` verified against a stage-0 key: keep it if it shows stage 0 at a later epoch than we knew."""
         if admission.admitted_at > self.stage0_at:
@@ -155,11 +164,10 @@ class Tickets:
             raise TicketRefused(
                 f"admission: signed by {meta.admitted_by[:40]!r}, which the DHT does not list on stage 0"
             )
-        signed = ticket_bytes(meta.microbatch_id, samples, meta.global_batch, meta.admitted_at)
-        if not verify(key, signed, meta.admission_signature):
+        admission = admission_of(meta, samples)
+        if not self.verified(admission):
             raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
-        if meta.admitted_at > self.stage0_at:
-            self.witness(admission_of(meta, samples))
+        self.witness(admission)
         if backward:
             ticket = ticket_key(meta)
             if ticket in self.spent:
