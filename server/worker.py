@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import re
@@ -50,10 +51,25 @@ R = TypeVar("R")
 PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
 
 
-def state_digest(tensors: list[torch.Tensor]) -> str:
-    """Short fingerprint of a list of tensors: equal for bitwise-equal states, different otherwise (in practice)."""
-    sums = torch.stack([t.detach().double().sum() for t in tensors]) if tensors else torch.zeros(1)
-    return hashlib.sha1(sums.cpu().numpy().tobytes()).hexdigest()[:12]
+# left out of a state's digest: what its metadata says of the peer that holds it rather than of the state, and how
+# many low-rank factors ride with it (a peer vouches for the worker's part: recovery.py)
+PEER_META = ("param_version", "lineage", "lowrank")
+
+
+def state_digest(tensors: list[torch.Tensor], meta: dict | None = None) -> str:
+    """sha256 of a state (hex, 32 digits): the dtype, shape and bytes of every tensor and, given `meta` (as
+    `StageWorker.state_tensors` returns it, or as it arrived with a downloaded state), what it says of them: epoch,
+    optimizer scalars and settings, the learning-rate schedule's position. Equal exactly for bitwise-equal states. A
+    peer vouches for a state with it (server/collab/recovery.py), so it must not be forgeable: a fingerprint of sums
+    (as before) could be kept by a state whose values were moved around."""
+    h = hashlib.sha256()
+    if meta is not None:
+        told = {k: v for k, v in meta.items() if k not in PEER_META}
+        h.update(json.dumps(told, sort_keys=True, default=repr).encode())  # tuples and lists alike (msgpack)
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()[:32]
 
 
 def _plain(value: Any) -> Any:
@@ -428,12 +444,9 @@ class StageWorker:
         )
 
     def digest(self) -> str:
-        """Any thread. `state_digest` of the parameters and optimizer state, read under the state lock."""
-        with self.state_lock:
-            opt = self.optimizer.state_dict()["state"]
-            tensors = [p.detach() for p in self.params]
-            tensors += [v for i in sorted(opt) for _, v in sorted(opt[i].items()) if isinstance(v, torch.Tensor)]
-            return state_digest(tensors)
+        """Any thread. `state_digest` of the state a peer downloading ours gets (`state_tensors`)."""
+        meta, tensors = self.state_tensors()
+        return state_digest(tensors, meta)
 
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server.collab.progress import StagePeers
-from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source
+from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
 from swarm.config import tiny_test
@@ -316,3 +316,14 @@ async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within
             assert took < PROBE_S + 0.5 + 1.5, took
         finally:
             await peers.close()
+
+
+def test_a_downloaded_state_is_loaded_unless_more_peers_at_its_epoch_hold_another_than_hold_it():
+    assert vouched(5, "s", [])  # the sender is the stage's only other peer: its word is all there is
+    assert vouched(5, "s", [(5, "s")])
+    assert vouched(5, "s", [(4, "x"), (6, "y"), (-1, "")])  # behind or ahead: they say nothing of epoch 5's state
+    assert not vouched(5, "s", [(5, "x")])  # one word against another: refused, not guessed
+    assert vouched(5, "s", [(5, "s"), (5, "x")])  # with the sender, two against one
+    assert not vouched(5, "s", [(5, "x"), (5, "x")])
+    assert not vouched(5, "s", [(5, "x"), (5, "y"), (5, "s")])
+    assert vouched(5, "s", [(5, "s"), (5, "s"), (5, "x"), (5, "y")])

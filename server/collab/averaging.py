@@ -78,10 +78,11 @@ class StageAverager(StrictAverager):
 
     def get_current_state(self):
         meta, tensors = self._worker.state_tensors()
+        digest = state_digest(tensors, meta)  # as our Info answers it: what a peer vouching for this state compares
         if self.lowrank is not None:
             shared = self.lowrank.shared_tensors()
             meta, tensors = {**meta, "lowrank": len(shared)}, [*tensors, *shared]
-        logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], state_digest(tensors))
+        logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], digest)
         return meta, tensors, None
 
     def split_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

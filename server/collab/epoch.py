@@ -857,8 +857,12 @@ class StageCollaboration:
             # a peer that diverged copies one at its own epoch: what it accumulated towards that epoch stays. Dropped,
             # those samples were missing from a count its peers had already added up: the epoch waited for them until
             # --admission-timeout (a 30 s stall of a delayed swarm-local run, "24 of its 32 admitted samples came back")
-            if await self.recovery.download(source, keep_gradients=True):
-                self.diverged = False
+            # the others at the source's epoch next: the stage's other peers may not hold what the first one sent
+            others = sorted(p for p, e in epochs.items() if e == epochs.get(source) and p != source)
+            for attempts, peer in [(3, source), *((1, p) for p in others)]:
+                if await self.recovery.download(peer, attempts=attempts, keep_gradients=True):
+                    self.diverged = False
+                    break
         finally:
             if self.phase is Phase.RECOVERING:
                 self.phase = Phase.ACCUMULATING

@@ -230,6 +230,21 @@ class StagePeers:
         except grpc.aio.AioRpcError as e:
             return not self._failed(peer_id, address, e)
 
+    async def state_of(self, peer_id: str, timeout: float) -> tuple[int, str] | None:
+        """(epoch, state digest) a live peer of the stage answers Info with, or None if it does not (in `timeout`
+        seconds: it fingerprints its whole state first), or if the server at its address is another peer."""
+        address = self.peers.get(peer_id)
+        if address is None:
+            return None
+        try:
+            reply = await self._channels.stub(address).info(pb.InfoRequest(with_digest=True), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("stage peer %s did not tell its state: %s", address, e.code().name)
+            return None
+        if reply.peer_id != peer_id:
+            return None
+        return reply.epoch, reply.state_digest
+
     def _failed(self, peer_id: str, address: str, e: grpc.aio.AioRpcError) -> bool:
         """A call to a stage peer failed: a dead or frozen peer is dropped (True), until the DHT lists it again."""
         if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet

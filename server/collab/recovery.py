@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from concurrent.futures import Executor
 
 import torch
@@ -27,6 +27,25 @@ UNUSABLE_STATE = (ValueError, KeyError, TypeError, AttributeError)  # what loadi
 PROBE_S = 1.0  # how often a peer waiting for the stage's reference to step asks whether it still answers
 JOIN_READS = 3  # DHT reads a joining peer tries before it gives up: a peer that took a read's timeout for an empty
 # stage would start from the seed beside peers that are epochs ahead
+
+
+VOUCHERS = 4  # other peers of the stage asked whether they hold a state downloaded from one of them, at most
+
+
+class Unvouched(ValueError):
+    """A downloaded state that more of the stage's other peers at its epoch contradict than confirm."""
+
+
+def vouched(epoch: int, digest: str, told: Iterable[tuple[int, str]]) -> bool:
+    """Pure. Whether a state of `epoch` whose digest is `digest`, downloaded from one peer of the stage, may be loaded,
+    given the (epoch, digest) other peers `told` of their own states: unless more of those at its epoch hold another
+    state than hold this one, its sender counted with the latter. Peers at other epochs say nothing of it (behind:
+    catching up themselves, or restarted; ahead: the state is stale, and the next catch-up takes theirs). So one
+    peer's state cannot stand against two that agree, and against one that disagrees it is not taken either: a joiner
+    fails closed rather than pick one of two words."""
+    same = [d for e, d in told if e == epoch]
+    agree = sum(d == digest for d in same)
+    return 1 + agree > len(same) - agree
 
 
 def catch_up_source(
@@ -73,6 +92,7 @@ class Recovery:
             pool,
         )
         self.downloads = 0  # states loaded from peers
+        self.unvouched = 0  # downloaded states refused because the stage's other peers hold another (`vouch`)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's (set at start), for the compute thread
 
     async def join(self) -> bool:
@@ -84,15 +104,28 @@ class Recovery:
         logger.info("stage %d has %d live peers: downloading their state", self.stage, len(self.peers.peers))
         # only from peers with a signed record on this stage, by name: hivemind's own choice would take any peer
         # under the averager's prefix (and its record of who shares state can lag behind: see `download_state`)
-        for attempt in range(2):
+        # A state the others did not hold may have been one of a peer in the middle of a step (delayed steps): we ask
+        # again for up to twice the averaging timeout before starting alone
+        patience = time.monotonic() + 2 * self.cfg.averaging_timeout
+        attempt, refused = 0, self.unvouched
+        while attempt < 2 or (self.unvouched > refused and time.monotonic() < patience):
+            if attempt > 0:
+                await asyncio.sleep(1.0)
+                await self._read_peers()
+            attempt += 1
             for peer_id in sorted(self.peers.peers):
                 logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
                 if await self.download(peer_id, attempts=1):
                     return True
-            if attempt == 0:
-                await asyncio.sleep(1.0)
-                await self._read_peers()
-        logger.warning("stage %d: no peer sent its state", self.stage)
+        if self.unvouched > refused:
+            logger.error(
+                "stage %d: the states our peers sent are not the one the stage's other peers hold (%d refused): "
+                "joining from our own start, and copying the stage's state once its peers agree",
+                self.stage,
+                self.unvouched - refused,
+            )
+        else:
+            logger.warning("stage %d: no peer sent its state", self.stage)
         return False
 
     async def _read_peers(self) -> None:
@@ -129,13 +162,49 @@ class Recovery:
             if loaded is not None:
                 meta, tensors = loaded
                 try:
+                    await self.vouch(source, meta, tensors)
                     await self.worker.submit(functools.partial(self.load, meta, tensors, keep_gradients))
                     return True
+                except Unvouched as e:  # the stage's other peers hold another state: ask another peer
+                    self.unvouched += 1
+                    logger.warning("%s", e)
+                    return False
                 except UNUSABLE_STATE as e:
                     logger.warning("downloaded state is unusable: %r", e)
             if attempt + 1 < attempts:
                 await asyncio.sleep(1.0 + attempt)
         return False
+
+    async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Event loop. Raises Unvouched unless the stage's other live peers (`VOUCHERS` of them, those at the state's
+        epoch first) let a state downloaded from `source` be loaded (`vouched`): each answers Info with the digest of
+        its own state, which covers the parameters, the optimizer state and the schedule's position (the low-rank
+        factors a state carries with ACP-SGD are not covered). A peer of the stage could otherwise hand a joiner, or a
+        peer catching up, any finite state with our optimizer settings: it is whoever sorts first, or reports the
+        furthest epoch. A peer that copies the state of one that stepped alone (after a failed round, or another
+        lineage) takes that peer's word: nobody else holds its state yet."""
+        worker_tensors, _ = self.averager.split_state(meta, tensors)  # raises ValueError if malformed
+        epoch = int(meta.get("epoch", -1))
+        digest = await asyncio.to_thread(state_digest, worker_tensors, meta)
+        epochs, me = self.peers.epochs_of(), self.peers.sdht.peer_id
+        others = sorted(
+            (p for p in self.peers.peers if p not in (source, me)), key=lambda p: (epochs.get(p) != epoch, p)
+        )
+        answers = await asyncio.gather(*(self.peers.state_of(p, self.cfg.averaging_timeout) for p in others[:VOUCHERS]))
+        told = [answer for answer in answers if answer is not None]
+        if not vouched(epoch, digest, told):
+            raise Unvouched(
+                f"stage {self.stage}: the state of epoch {epoch} from {source[-6:]} (digest {digest[:12]}) is not the "
+                f"one the stage's other peers at that epoch hold: they told {sorted((e, d[:12]) for e, d in told)}"
+            )
+        confirmed = sum(answer == (epoch, digest) for answer in told)
+        logger.info(
+            "stage %d: the state of epoch %d from %s is held by %d other peer(s) too",
+            self.stage,
+            epoch,
+            source[-6:],
+            confirmed,
+        )
 
     def load(self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False) -> None:
         """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs.
@@ -148,9 +217,8 @@ class Recovery:
         if self.averager.lowrank is not None:
             self.averager.lowrank.load_shared(factors)
         self.downloads += 1
-        logger.info(
-            "stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, state_digest(tensors)
-        )
+        digest = state_digest(worker_tensors, meta)
+        logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
 
     def after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:
         """Compute thread, after a failed round of the current epoch, before any request sees our parameters. Returns
