@@ -283,6 +283,9 @@ class StageService:
 
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         w, loss = self.worker, self.recent_loss
+        # the epoch of the digested state, not of a step that ran meanwhile: a peer compares the pair
+        shared = await asyncio.to_thread(self.collab.shared_digest) if request.with_digest else None
+        epoch, digest = shared or (w.epoch, "")
         return pb.InfoReply(
             protocol_version=PROTOCOL_VERSION,
             stage=self.schema.stage,
@@ -292,8 +295,8 @@ class StageService:
             throughput=w.throughput,
             model_config_json=json.dumps(dataclasses.asdict(self.schema.cfg)),
             samples_processed=w.samples_processed,
-            epoch=w.epoch,
-            state_digest=await asyncio.to_thread(w.digest) if request.with_digest else "",
+            epoch=epoch,
+            state_digest=digest,
             requests_rejected=self.requests_rejected,
             requests_busy=self.requests_busy,
             allreduce_bytes=self.collab.allreduce_bytes,

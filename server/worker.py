@@ -51,21 +51,30 @@ R = TypeVar("R")
 PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
 
 
-# left out of a state's digest: what its metadata says of the peer that holds it rather than of the state, and how
-# many low-rank factors ride with it (a peer vouches for the worker's part: recovery.py)
-PEER_META = ("param_version", "lineage", "lowrank")
+def _digested(meta: dict) -> dict:
+    """What a state's digest covers of its metadata: its epoch, the optimizer's per-tensor layout and scalars, the
+    learning rates, and the schedule's position. Not what says who holds the state (its step counter, lineage), nor
+    settings whose keys differ between torch versions over the same tensors (peers check those when they load)."""
+    groups, schedule = meta.get("param_groups") or [], meta.get("schedule") or {}
+    return {
+        "epoch": meta.get("epoch"),
+        "n_params": meta.get("n_params"),
+        "slots": meta.get("slots"),
+        "scalars": meta.get("scalars"),
+        "lrs": [group.get("lr") for group in groups],
+        "schedule": {key: schedule.get(key) for key in ("last_epoch", "_step_count", "base_lrs")},
+    }
 
 
 def state_digest(tensors: list[torch.Tensor], meta: dict | None = None) -> str:
     """sha256 of a state (hex, 32 digits): the dtype, shape and bytes of every tensor and, given `meta` (as
-    `StageWorker.state_tensors` returns it, or as it arrived with a downloaded state), what it says of them: epoch,
-    optimizer scalars and settings, the learning-rate schedule's position. Equal exactly for bitwise-equal states. A
-    peer vouches for a state with it (server/collab/recovery.py), so it must not be forgeable: a fingerprint of sums
-    (as before) could be kept by a state whose values were moved around."""
+    `StageWorker.state_tensors` returns it, or as it arrived with a downloaded state), what `_digested` takes of it.
+    Equal exactly for bitwise-equal states. A peer vouches for a state with it (server/collab/recovery.py), so it
+    must not be forgeable: a fingerprint of sums (as before) could be kept by a state whose values were moved
+    around."""
     h = hashlib.sha256()
     if meta is not None:
-        told = {k: v for k, v in meta.items() if k not in PEER_META}
-        h.update(json.dumps(told, sort_keys=True, default=repr).encode())  # tuples and lists alike (msgpack)
+        h.update(json.dumps(_digested(meta), sort_keys=True, default=repr).encode())  # tuples and lists alike
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().data)
@@ -443,10 +452,11 @@ class StageWorker:
             self.param_version,
         )
 
-    def digest(self) -> str:
-        """Any thread. `state_digest` of the state a peer downloading ours gets (`state_tensors`)."""
+    def digest(self) -> tuple[int, str]:
+        """Any thread. (epoch, `state_digest`) of the state a peer downloading ours gets (`state_tensors`), both of
+        one snapshot."""
         meta, tensors = self.state_tensors()
-        return state_digest(tensors, meta)
+        return int(meta["epoch"]), state_digest(tensors, meta)
 
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""

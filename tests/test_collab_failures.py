@@ -111,8 +111,8 @@ async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state
 async def test_a_joiner_takes_the_state_its_stages_peers_agree_on_not_the_first_peers_it_asks():
     """A listed peer of the stage can hold (and send) any finite state with our optimizer settings: nothing in the state
     itself tells it from the stage's. A joiner asks its peers in the order of their ids, so before it took the state of
-    whichever sorted first. Now another peer at the state's epoch must hold the same state (its Info digest), and a
-    state two peers contradict is refused: the joiner takes the one two of its three peers hold."""
+    whichever sorted first. Now the stage's other peers at the state's epoch tell the digest of theirs (Info), and a
+    state two of them contradict is refused: the joiner takes the state two of its three peers hold."""
     async with stage_servers() as (peers, servers):
         for _ in range(3):
             servers.append(await start_server(peers, stage=1))
@@ -121,12 +121,12 @@ async def test_a_joiner_takes_the_state_its_stages_peers_agree_on_not_the_first_
         honest = [s for s in servers if s is not liar]
         with liar.worker.state_lock:
             next(liar.worker.stage.parameters()).data.add_(0.25)
-        stage_state = honest[0].worker.digest()
-        assert liar.worker.digest() != stage_state == honest[1].worker.digest()
+        stage_state = honest[0].collab.shared_digest()
+        assert liar.collab.shared_digest() != stage_state == honest[1].collab.shared_digest()
 
         servers.append(joiner := await start_server(peers, stage=1))
         assert joiner.worker.digest() == stage_state, "the joiner took the state only its first peer holds"
-        assert joiner.collab.state_downloads == 1
+        assert (joiner.collab.state_downloads, joiner.collab.recovery.unvouched) == (1, 1)
 
 
 async def silent(*args, **kwargs) -> None:

@@ -85,6 +85,17 @@ class StageAverager(StrictAverager):
         logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], digest)
         return meta, tensors, None
 
+    def shared_digest(self) -> tuple[int, str] | None:
+        """Any thread. (epoch, digest) of the state we hold; None while we share none (our delayed step is pending,
+        or we are about to load another state)."""
+        return self._worker.digest() if self.allow_state_sharing else None
+
+    @property
+    def exact_states(self) -> bool:
+        """Whether a peer that downloads our state gets it bitwise (--state-codec none): only then can the stage's
+        peers vouch for a state by its digest. A lossy codec makes every joiner's state differ from its source's."""
+        return isinstance(self.state_compression, NoCompression)
+
     def split_state(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A downloaded state's (worker tensors, low-rank factors), checked against ours; raises ValueError."""
         n = meta.get("lowrank", 0)

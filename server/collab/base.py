@@ -48,6 +48,10 @@ class Collaboration(Protocol):
         """Stage states this peer loaded from its peers."""
         ...
 
+    def shared_digest(self) -> tuple[int, str] | None:
+        """Any thread. (epoch, digest) of the state a peer that downloads ours gets; None while we share none."""
+        ...
+
     @property
     def progress_bytes(self) -> int:
         """Bytes of the Progress messages this peer sent its stage peers (times each peer it sent one to)."""
@@ -135,6 +139,9 @@ class LocalSteps:
         self.worker, self.target = worker, target
         self.address = ""
         self.policy = CompressionPolicy()
+
+    def shared_digest(self) -> tuple[int, str] | None:
+        return self.worker.digest()
 
     @property
     def epoch(self) -> int:

@@ -204,6 +204,9 @@ class StageCollaboration:
     def state_downloads(self) -> int:
         return self.recovery.downloads
 
+    def shared_digest(self) -> tuple[int, str] | None:
+        return self.averaging.state.shared_digest()
+
     @property
     def lowrank(self) -> LowRankState | None:
         return self.averaging.state.lowrank
@@ -859,8 +862,11 @@ class StageCollaboration:
             # --admission-timeout (a 30 s stall of a delayed swarm-local run, "24 of its 32 admitted samples came back")
             # the others at the source's epoch next: the stage's other peers may not hold what the first one sent
             others = sorted(p for p, e in epochs.items() if e == epochs.get(source) and p != source)
+            if epochs.get(source) == self.epoch:  # we diverged: copy the peer named, whose state may be its own
+                others = []
             for attempts, peer in [(3, source), *((1, p) for p in others)]:
-                if await self.recovery.download(peer, attempts=attempts, keep_gradients=True):
+                vouch = epochs.get(peer) != self.epoch
+                if await self.recovery.download(peer, attempts=attempts, keep_gradients=True, vouch=vouch):
                     self.diverged = False
                     break
         finally:

@@ -231,8 +231,9 @@ class StagePeers:
             return not self._failed(peer_id, address, e)
 
     async def state_of(self, peer_id: str, timeout: float) -> tuple[int, str] | None:
-        """(epoch, state digest) a live peer of the stage answers Info with, or None if it does not (in `timeout`
-        seconds: it fingerprints its whole state first), or if the server at its address is another peer."""
+        """(epoch, state digest) a live peer of the stage answers Info with; None if it does not (in `timeout`
+        seconds: it fingerprints its whole state first), shares no state now, or if the server at its address is
+        another peer or serves another stage (it moved, and its record has not expired yet)."""
         address = self.peers.get(peer_id)
         if address is None:
             return None
@@ -241,7 +242,11 @@ class StagePeers:
         except grpc.aio.AioRpcError as e:
             logger.debug("stage peer %s did not tell its state: %s", address, e.code().name)
             return None
-        if reply.peer_id != peer_id:
+        except asyncio.CancelledError:
+            if cancelled_here():
+                raise
+            return None  # its channel closed under the call
+        if reply.peer_id != peer_id or reply.stage != self.stage or not reply.state_digest:
             return None
         return reply.epoch, reply.state_digest
 

@@ -8,6 +8,7 @@ the epoch it leaves).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -38,14 +39,15 @@ class Unvouched(ValueError):
 
 def vouched(epoch: int, digest: str, told: Iterable[tuple[int, str]]) -> bool:
     """Pure. Whether a state of `epoch` whose digest is `digest`, downloaded from one peer of the stage, may be loaded,
-    given the (epoch, digest) other peers `told` of their own states: unless more of those at its epoch hold another
-    state than hold this one, its sender counted with the latter. Peers at other epochs say nothing of it (behind:
-    catching up themselves, or restarted; ahead: the state is stale, and the next catch-up takes theirs). So one
-    peer's state cannot stand against two that agree, and against one that disagrees it is not taken either: a joiner
-    fails closed rather than pick one of two words."""
-    same = [d for e, d in told if e == epoch]
-    agree = sum(d == digest for d in same)
-    return 1 + agree > len(same) - agree
+    given the (epoch, digest) other peers `told` of their own states: unless two or more of those at its epoch hold
+    one other state, and more of them than hold this one, its sender counted with the latter. So one peer's state
+    cannot stand against two that agree on another. Peers at other epochs say nothing of it (behind: catching up
+    themselves, or restarted; ahead: the state is stale, and the next catch-up takes theirs), and one word stands
+    against another: peers whose optimizers round differently (a CPU and a GPU in one stage) each hold a state of
+    their own, and a peer catching up must still take one."""
+    others = collections.Counter(d for e, d in told if e == epoch and d != digest)
+    held = 1 + sum(1 for e, d in told if e == epoch and d == digest)
+    return not any(n >= 2 and n > held for n in others.values())
 
 
 def catch_up_source(
@@ -142,9 +144,10 @@ class Recovery:
             "stage has peers to copy, so not joining it"
         )
 
-    async def download(self, source: str, attempts: int = 3, keep_gradients: bool = False) -> bool:
+    async def download(self, source: str, attempts: int = 3, keep_gradients: bool = False, vouch: bool = True) -> bool:
         """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record).
-        `keep_gradients`: see `load`."""
+        `keep_gradients`: see `load`. `vouch`: only if the stage's other peers let us (`vouch`); not when copying
+        the state of a peer at our own epoch after stepping alone (delayed steps): its peers may each hold their own."""
         loop = asyncio.get_running_loop()
         p2p_id = self.peers.p2p_ids.get(source)
         if not p2p_id:
@@ -162,8 +165,8 @@ class Recovery:
             if loaded is not None:
                 meta, tensors = loaded
                 try:
-                    await self.vouch(source, meta, tensors)
-                    await self.worker.submit(functools.partial(self.load, meta, tensors, keep_gradients))
+                    digest = await self.vouch(source, meta, tensors) if vouch and self.averager.exact_states else None
+                    await self.worker.submit(functools.partial(self.load, meta, tensors, keep_gradients, digest))
                     return True
                 except Unvouched as e:  # the stage's other peers hold another state: ask another peer
                     self.unvouched += 1
@@ -175,14 +178,15 @@ class Recovery:
                 await asyncio.sleep(1.0 + attempt)
         return False
 
-    async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+    async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> str:
         """Event loop. Raises Unvouched unless the stage's other live peers (`VOUCHERS` of them, those at the state's
         epoch first) let a state downloaded from `source` be loaded (`vouched`): each answers Info with the digest of
         its own state, which covers the parameters, the optimizer state and the schedule's position (the low-rank
-        factors a state carries with ACP-SGD are not covered). A peer of the stage could otherwise hand a joiner, or a
+        factors a state carries with ACP-SGD are not covered; nor is a state sent through a lossy --state-codec, which
+        makes every joiner's state its own). A peer of the stage could otherwise hand a joiner, or a
         peer catching up, any finite state with our optimizer settings: it is whoever sorts first, or reports the
         furthest epoch. A peer that copies the state of one that stepped alone (after a failed round, or another
-        lineage) takes that peer's word: nobody else holds its state yet."""
+        lineage) takes that peer's word: nobody else holds its state yet. Returns the state's digest."""
         worker_tensors, _ = self.averager.split_state(meta, tensors)  # raises ValueError if malformed
         epoch = int(meta.get("epoch", -1))
         digest = await asyncio.to_thread(state_digest, worker_tensors, meta)
@@ -205,11 +209,15 @@ class Recovery:
             source[-6:],
             confirmed,
         )
+        return digest
 
-    def load(self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False) -> None:
+    def load(
+        self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False, digest: str | None = None
+    ) -> None:
         """Compute thread: replaces parameters, optimizer state and epoch; drops the gradients of the old epochs.
         `keep_gradients`: keeps what we accumulated towards our current epoch if the state is of that epoch too
-        (delayed steps: the next epoch accumulates while the last one is averaged and stepped)."""
+        (delayed steps: the next epoch accumulates while the last one is averaged and stepped). `digest`: the
+        state's, if known (for the log)."""
         worker_tensors, factors = self.averager.split_state(meta, tensors)  # checked before anything changes
         if not keep_gradients or int(meta.get("epoch", -1)) != self.worker.epoch:
             self.worker.drop_gradients()
@@ -217,7 +225,7 @@ class Recovery:
         if self.averager.lowrank is not None:
             self.averager.lowrank.load_shared(factors)
         self.downloads += 1
-        digest = state_digest(worker_tensors, meta)
+        digest = digest or state_digest(worker_tensors, meta)
         logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
 
     def after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:
