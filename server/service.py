@@ -215,6 +215,7 @@ class StageService:
         self.moves = 0  # set by the peer when it has moved to another stage
         # errors and warm starts of the stateful gradient codecs this server encodes with (compute thread)
         self.codec_memory = ErrorMemory()
+        self._digesting = asyncio.Lock()  # Info's state digests, one at a time
 
     @property
     def recent_loss(self) -> float | None:
@@ -284,7 +285,10 @@ class StageService:
     async def info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoReply:
         w, loss = self.worker, self.recent_loss
         # the epoch of the digested state, not of a step that ran meanwhile: a peer compares the pair
-        shared = await asyncio.to_thread(self.collab.shared_digest) if request.with_digest else None
+        shared = None
+        if request.with_digest:
+            async with self._digesting:  # one at a time: each reads the whole state
+                shared = await asyncio.to_thread(self.collab.shared_digest)
         epoch, digest = shared or (w.epoch, "")
         return pb.InfoReply(
             protocol_version=PROTOCOL_VERSION,

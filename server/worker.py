@@ -454,35 +454,42 @@ class StageWorker:
 
     def digest(self) -> tuple[int, str]:
         """Any thread. (epoch, `state_digest`) of the state a peer downloading ours gets (`state_tensors`), both of
-        one snapshot."""
-        meta, tensors = self.state_tensors()
-        return int(meta["epoch"]), state_digest(tensors, meta)
+        one snapshot: hashed under the state lock, a tensor at a time, without a copy of the whole state (anyone
+        may ask for a digest: a copy each made a burst of them hold that many states)."""
+        with self.state_lock:
+            meta, tensors = self._state_view()
+            return int(meta["epoch"]), state_digest(tensors, meta)
 
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
         with self.state_lock:
-            opt_state = self.optimizer.state_dict()
-            tensors = [p.detach().cpu().clone() for p in self.params]
-            slots = []  # (param index, key) of every tensor in the optimizer state, in a fixed order
-            scalars = {}
-            for idx in sorted(opt_state["state"]):
-                for key in sorted(opt_state["state"][idx]):
-                    value = opt_state["state"][idx][key]
-                    if isinstance(value, torch.Tensor):
-                        slots.append([idx, key])
-                        tensors.append(value.detach().cpu().clone())
-                    else:
-                        scalars[f"{idx}/{key}"] = value
-            meta = {
-                "param_version": self.param_version,
-                "epoch": self.epoch,
-                "n_params": len(self.params),
-                "slots": slots,
-                "scalars": scalars,
-                "param_groups": opt_state["param_groups"],
-                "schedule": self.schedule.state_dict(),
-                "lineage": self.lineage,
-            }
+            meta, tensors = self._state_view()
+            return meta, [t.cpu().clone() for t in tensors]
+
+    def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
+        """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""
+        opt_state = self.optimizer.state_dict()
+        tensors = [p.detach() for p in self.params]
+        slots = []  # (param index, key) of every tensor in the optimizer state, in a fixed order
+        scalars = {}
+        for idx in sorted(opt_state["state"]):
+            for key in sorted(opt_state["state"][idx]):
+                value = opt_state["state"][idx][key]
+                if isinstance(value, torch.Tensor):
+                    slots.append([idx, key])
+                    tensors.append(value.detach())
+                else:
+                    scalars[f"{idx}/{key}"] = value
+        meta = {
+            "param_version": self.param_version,
+            "epoch": self.epoch,
+            "n_params": len(self.params),
+            "slots": slots,
+            "scalars": scalars,
+            "param_groups": opt_state["param_groups"],
+            "schedule": self.schedule.state_dict(),
+            "lineage": self.lineage,
+        }
         return meta, tensors
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
