@@ -464,7 +464,7 @@ class StageWorker:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
         with self.state_lock:
             meta, tensors = self._state_view()
-            return meta, [t.cpu().clone() for t in tensors]
+            return meta, [t.to("cpu", copy=True) for t in tensors]  # one copy, from a GPU too
 
     def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
         """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""

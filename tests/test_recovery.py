@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import grpc
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
 from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import stage_handler, start_stage_server
 from tests.stages import hanging_stage_server
 
 pytestmark = pytest.mark.timeout(30)
@@ -332,3 +334,47 @@ def test_a_downloaded_state_is_loaded_unless_two_peers_at_its_epoch_agree_on_ano
     assert vouched(5, "s", [(5, "x"), (5, "x"), (5, "s")])  # two and two
     assert not vouched(5, "s", [(5, "x"), (5, "x"), (5, "x"), (5, "s")])
     assert vouched(5, "s", [(5, "s"), (5, "s"), (5, "x"), (5, "y")])
+
+
+async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():
+    """What a stage peer's Info says of its state (`StagePeers.state_of`, which `Recovery.vouch` counts) is taken only
+    from the peer the DHT lists at that address, on our stage, with a digest; a forged sender, another stage, no
+    digest, an error or silence say nothing, and extreme values count as what they are: another state."""
+    honest = pb.InfoReply(peer_id="v", stage=1, epoch=7, state_digest="d")
+    huge = pb.InfoReply(peer_id="v", stage=1, epoch=7, state_digest="z" * 100_000)
+    replies = [
+        honest,
+        pb.InfoReply(peer_id="x", stage=1, epoch=7, state_digest="d"),  # another peer answers at v's address
+        pb.InfoReply(peer_id="v", stage=2, epoch=7, state_digest="d"),  # v moved to stage 2
+        pb.InfoReply(peer_id="v", stage=1, epoch=7),  # shares no state now
+        pb.InfoReply(peer_id="v", stage=1, epoch=-(2**63), state_digest="d"),
+        huge,
+        "error",
+        "hang",
+    ]
+
+    async def info(request, context):
+        assert request.with_digest
+        reply = replies.pop(0)
+        if reply == "error":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
+        if reply == "hang":
+            await asyncio.sleep(5)
+        return reply
+
+    async def unused(request, context):
+        raise NotImplementedError
+
+    server, _, port = await start_stage_server(stage_handler(unused, unused, info, unused), "127.0.0.1", 0)
+    peers = StagePeers(SimpleNamespace(peer_id="me", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
+    peers.peers = {"v": f"127.0.0.1:{port}"}
+    try:
+        told = [await peers.state_of("v", timeout=1.0) for _ in range(8)]
+        assert await peers.state_of("not listed", timeout=1.0) is None
+    finally:
+        await peers.close()
+        await server.stop(None)
+    assert told == [(7, "d"), None, None, None, (-(2**63), "d"), (7, "z" * 100_000), None, None]
+    answers = [t for t in told if t is not None]
+    assert vouched(7, "e", answers)  # a state against two others, one peer each: not refused
+    assert not vouched(7, "e", [*answers, (7, "z" * 100_000)])  # against two that agree on another: refused

@@ -860,12 +860,12 @@ class StageCollaboration:
             # a peer that diverged copies one at its own epoch: what it accumulated towards that epoch stays. Dropped,
             # those samples were missing from a count its peers had already added up: the epoch waited for them until
             # --admission-timeout (a 30 s stall of a delayed swarm-local run, "24 of its 32 admitted samples came back")
-            # the others at the source's epoch next: the stage's other peers may not hold what the first one sent
-            others = sorted(p for p, e in epochs.items() if e == epochs.get(source) and p != source)
-            if epochs.get(source) == self.epoch:  # we diverged: copy the peer named, whose state may be its own
-                others = []
+            # then the others at the source's epoch: the stage's other peers may not hold what the first one sent.
+            # Not when we diverged: we copy the peer named, whose state may be its own (nobody vouches for it)
+            at = epochs[source]
+            others = [] if at == self.epoch else sorted(p for p, e in epochs.items() if e == at and p != source)
             for attempts, peer in [(3, source), *((1, p) for p in others)]:
-                vouch = epochs.get(peer) != self.epoch
+                vouch = at != self.epoch
                 if await self.recovery.download(peer, attempts=attempts, keep_gradients=True, vouch=vouch):
                     self.diverged = False
                     break
