@@ -119,7 +119,7 @@ async def test_a_joiner_takes_the_state_its_stages_peers_agree_on_not_the_first_
         await meet(*servers)
         liar = min(servers, key=lambda s: s.sdht.peer_id)  # the first a joiner asks
         honest = [s for s in servers if s is not liar]
-        with liar.worker.state_lock:
+        with liar.worker.changing_state():
             next(liar.worker.stage.parameters()).data.add_(0.25)
         stage_state = honest[0].collab.shared_digest()
         assert liar.collab.shared_digest() != stage_state == honest[1].collab.shared_digest()

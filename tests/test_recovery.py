@@ -336,6 +336,36 @@ def test_a_downloaded_state_is_loaded_unless_two_peers_at_its_epoch_agree_on_ano
     assert vouched(5, "s", [(5, "s"), (5, "s"), (5, "x"), (5, "y")])
 
 
+def test_a_peer_hashes_its_state_once_and_every_change_of_it_gives_a_new_digest():
+    """Anyone may ask a peer for the digest of its state (Info): the state is read once per change, not per call (a
+    1B-parameter stage's takes 2.5 s under the state lock), and every change (a step, epochs without a step, a
+    loaded state, parameters changed under `changing_state`) gives a new digest."""
+    worker = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    reads, read = [], worker._state_view
+    worker._state_view = lambda: reads.append(1) or read()  # type: ignore[method-assign]
+    seen = [worker.digest()]
+    assert [worker.digest() for _ in range(5)] == seen * 5 and len(reads) == 1
+
+    def changed() -> None:
+        digest = worker.digest()
+        assert digest not in seen and worker.digest() == digest
+        seen.append(digest)
+
+    worker.apply_gradients([torch.ones_like(p) for p in worker.params], end_epoch=True)
+    changed()
+    worker.skip_to(worker.epoch + 2)
+    changed()
+    worker.take_gradients(end_epoch=True)
+    changed()
+    meta, tensors = worker.state_tensors()
+    worker.load_state(meta, [tensors[0] + 1, *tensors[1:]])
+    changed()
+    with worker.changing_state():
+        worker.params[0].data.mul_(2)
+    changed()
+    assert len(reads) == 1 + 5 + 1  # one per state, and the state_tensors above
+
+
 async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():
     """What a stage peer's Info says of its state (`StagePeers.state_of`, which `Recovery.vouch` counts) is taken only
     from the peer the DHT lists at that address, on our stage, with a digest; a forged sender, another stage, no

@@ -416,7 +416,7 @@ class ParameterAveraging:
         numel = sum(p.numel() for p in worker.stage_params)
         self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, len(result))
-        with worker.state_lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+        with worker.changing_state(), torch.no_grad(), self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.stage_params, strict=True):
                 p.copy_(buf)
 

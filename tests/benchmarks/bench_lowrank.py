@@ -8,6 +8,10 @@ optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), same global batch (32
 built-in corpus. Bytes per round are the layout's: values sent in fp16 (what the servers send) against fp32 whole
 gradients per epoch (ACP: one factor per epoch, averaged over P and Q epochs; PowerSGD: both factors every epoch).
 
+`--optimizer sgd` (Nesterov momentum 0.9, lr 0.3: the optimizer of ACP-SGD's own experiments) or `adafactor`
+(torch's, lr 1e-2: a factored second moment, no momentum) trains both sides with that optimizer instead of AdamW, to
+measure how much of the gap is the optimizer's.
+
     python -m tests.benchmarks.bench_lowrank [--quick] [--steps 300] [--d-model 512] [--ranks 4,16] [--only "a|b"]
 """
 
@@ -24,7 +28,12 @@ from swarm.model import GPT
 from tests.benchmarks import common
 from trainer.data import load_corpus
 
-BATCH, LR, WEIGHT_DECAY, CLIP = 32, 2e-3, 0.01, 1.0
+BATCH, WEIGHT_DECAY, CLIP = 32, 0.01, 1.0
+OPTIMIZERS = {  # name: (class, keyword arguments)
+    "adamw": (torch.optim.AdamW, {"lr": 2e-3, "weight_decay": WEIGHT_DECAY}),  # swarm-server's
+    "sgd": (torch.optim.SGD, {"lr": 0.3, "momentum": 0.9, "nesterov": True, "weight_decay": WEIGHT_DECAY}),
+    "adafactor": (getattr(torch.optim, "Adafactor", None), {"lr": 1e-2, "weight_decay": WEIGHT_DECAY}),  # torch >= 2.5
+}
 
 
 def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,13 +42,14 @@ def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> t
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> float:
+def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int, optimizer: str = "adamw") -> float:
     """Held-out loss after `steps` steps; `acp`: the low-rank state's keyword arguments (kind: "acp" or "powersgd",
     rank, error_feedback, reuse), or None for whole gradients."""
     torch.manual_seed(0)
     model = GPT(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    make, kwargs = OPTIMIZERS[optimizer]
+    optim = make(params, **kwargs)
     state: AcpState | PowerSgdState | None = None
     if acp is not None:
         rank, kind = acp.pop("rank"), acp.pop("kind", "acp")
@@ -47,7 +57,7 @@ def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> floa
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         loss = model(*windows(data, BATCH, cfg.max_seq_len, gen))
-        optimizer.zero_grad()
+        optim.zero_grad()
         loss.backward()
         if state is not None and step >= warmup:
             grads = [p.grad for p in params]
@@ -63,7 +73,7 @@ def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int) -> floa
             for i, a in zip(state.layout.matrices, approx, strict=True):
                 params[i].grad = a
         torch.nn.utils.clip_grad_norm_(params, CLIP)
-        optimizer.step()
+        optim.step()
     with torch.no_grad():
         return model(*heldout).item()
 
@@ -87,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default=None, help="comma-separated ranks (default 4,16,32; --quick 4)")
     p.add_argument("--warmup", type=int, default=10, help="whole-gradient steps first (swarm-server's default)")
     p.add_argument("--kinds", default="acp,powersgd", help="low-rank schemes to run at each rank (acp, powersgd)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="both sides train with it")
     p.add_argument("--only", default=None, help="configuration names separated by '|' ('whole gradients' always runs)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
+    if OPTIMIZERS[args.optimizer][0] is None:
+        p.error(f"--optimizer {args.optimizer} needs a newer torch than {torch.__version__}")
     torch.set_num_threads(1)
     steps = args.steps or (40 if args.quick else 300)
     ranks = [int(r) for r in (args.ranks or ("4" if args.quick else "4,16,32")).split(",")]
@@ -121,12 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, (acp, ratio) in runs.items():
         started = time.monotonic()
-        loss = train(cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup)
+        loss = train(cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup, args.optimizer)
         common.log(f"{name}: held-out loss {loss:.4f} after {steps} steps ({time.monotonic() - started:.0f}s)")
         results.append({"config": name, "heldout": loss, "fp32_over_sent": ratio})
     whole = results[0]["heldout"]
     common.table(
-        f"Low-rank averaging in one process: held-out loss after {steps} steps (d_model {cfg.d_model}, warm-up {args.warmup})",
+        f"Low-rank averaging in one process: held-out loss after {steps} steps (d_model {cfg.d_model}, warm-up "
+        f"{args.warmup}, {args.optimizer})",
         ["configuration", "held-out loss", "vs whole", "all-reduce bytes: fp32 / sent per epoch"],
         [
             [r["config"], f"{r['heldout']:.4f}", f"{r['heldout'] / whole:.3f}", f"{r['fp32_over_sent']:.1f}x"]
@@ -134,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         ],  # fmt: skip
     )
     common.write_json(
-        args.out, "lowrank", {"hardware": common.hardware(), "steps": steps, "d_model": cfg.d_model, "results": results}
+        args.out,
+        "lowrank",
+        {
+            "hardware": common.hardware(),
+            "steps": steps,
+            "d_model": cfg.d_model,
+            "optimizer": args.optimizer,
+            "results": results,
+        },
     )
     return 0
 
