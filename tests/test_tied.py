@@ -27,7 +27,7 @@ SWARM, LAST, SHAPE = "tiedtest", 2, (16, 8)
 
 
 @contextlib.contextmanager
-def tied_peers(stages: list[int], **averaging):
+def tied_peers(stages: list[int], shape: tuple[int, ...] = SHAPE, **averaging):
     """One TiedAveraging per entry of `stages` (each its own DHT node and identity), every peer listed on its stage
     (what `refresh` reads from the stage records, set here directly)."""
     cfg = AveragingConfig(**{"matchmaking_time": 0.5, "averaging_timeout": 5.0, "allreduce_codec": "none", **averaging})
@@ -38,7 +38,7 @@ def tied_peers(stages: list[int], **averaging):
         for stage in stages:
             sdht = SwarmDHT.start(SWARM, initial)
             dhts.append(sdht)
-            worker = SimpleNamespace(tied=torch.zeros(SHAPE), tied_index=0)
+            worker = SimpleNamespace(tied=torch.zeros(shape), tied_index=0)
             tied = build_tied(worker, sdht, stage, LAST + 1, cfg, averager_options(sdht, cfg))
             assert tied is not None
             start_in_background(tied.averager)
@@ -257,3 +257,24 @@ def test_a_peer_no_stage_lists_never_joins_the_tied_round():
         outcomes = run_rounds([a, b, stranger], grads, [state_of(torch.zeros(SHAPE))] * 3, [4, 4, 4], epoch=1)
     assert all(o.grad is not None and torch.allclose(o.grad, torch.full(SHAPE, 4.0)) for o in outcomes[:2])
     assert outcomes[2].grad is None and stranger.rounds_failed == 1
+
+
+def test_a_stage_peer_weighs_in_the_tied_round_what_its_admissions_prove():
+    """The tied round caps weights as the stage's own rounds do: in the parts a peer reduces, a peer of its own stage
+    weighs what its admissions proved (server/collab/served.py), a peer of the other stage (whose admissions it does
+    not see) at most one peer's share of an epoch. Stage 0's b proved 1 sample to a and declares 8: in a's parts it
+    weighs 1, in the others' 8 (a reducer's own part and the other stage's parts are beyond a's caps)."""
+    shape = (1000, 400)  # hivemind hands each reducer whole parts of 512 KiB: enough of them for every peer
+    with tied_peers([0, 0, LAST], shape) as (a, b, c):
+        ids = {t: t.sdht.p2p_id for t in (a, b, c)}
+        a.cap_own_stage(lambda _epoch: {ids[b]: 1.0}, most=8.0)
+        c.cap_own_stage(lambda _epoch: {ids[b]: 1.0}, most=8.0)  # another stage's proofs: not c's to apply
+        assert a.weight_caps(3) == {ids[b]: 1.0, ids[c]: 8.0} and c.weight_caps(3) == {ids[a]: 8.0, ids[b]: 8.0}
+        grads = [torch.zeros(shape), torch.full(shape, 30.0), torch.full(shape, 3.0)]
+        outcomes = run_rounds([a, b, c], grads, [state_of(torch.zeros(shape))] * 3, [4, 8, 4], epoch=1)
+    assert all(o.grad is not None and torch.equal(o.grad, outcomes[0].grad) for o in outcomes)
+    got = outcomes[0].grad
+    capped, declared = 2 * (1 * 30.0 + 4 * 3.0) / 9, 2 * (8 * 30.0 + 4 * 3.0) / 16
+    in_capped = torch.isclose(got, torch.tensor(capped)).float().mean().item()
+    in_declared = torch.isclose(got, torch.tensor(declared)).float().mean().item()
+    assert in_capped + in_declared == 1.0 and 0.0 < in_capped < 1.0, (got.unique(), capped, declared)

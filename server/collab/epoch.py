@@ -137,6 +137,8 @@ class StageCollaboration:
         self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
         self.peers.shown_limit = self._shown_limit  # how far a peer can be is what stage 0's admissions show
         self.averaging.cap_weights(self._proven_weights)
+        if self.tied is not None:  # in the tied round too, for our own stage's peers
+            self.tied.cap_own_stage(self._proven_weights, float(self._most_samples()))
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage
         # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -122,6 +123,11 @@ class TiedAveraging(GradientAveraging):
         self.listed: dict[int, frozenset[str]] = {s: frozenset() for s in stages}  # ready peers' libp2p ids, by stage
         self.members = self._members
         self.rounds_skipped = 0  # epochs a tied round did not run: a stage had no listed peer
+        self.weight_caps = self._caps
+        # the epoch -> what our own stage's peers' admissions prove (served.py), by libp2p id; the most a peer can
+        # hold for an epoch (`cap_own_stage`)
+        self._proven: Callable[[int], dict[str, float]] = lambda _epoch: {}
+        self._most = math.inf
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, which reads the DHT (set at start)
 
     async def refresh(self) -> None:
@@ -144,6 +150,18 @@ class TiedAveraging(GradientAveraging):
         except Exception as e:  # a timeout, the DHT's errors: the next attempt or poll reads again
             future.cancel()
             logger.debug("reading the tied weight's stages again failed: %r", e)
+
+    def cap_own_stage(self, proven: Callable[[int], dict[str, float]], most: float) -> None:
+        """A part of a peer of our own stage weighs in the parts we reduce what its admissions prove to us
+        (`proven(epoch)`, as in the stage's own rounds); a peer of the other stage, whose admissions we do not see, at
+        most `most` (the samples one peer can hold for an epoch)."""
+        self._proven, self._most = proven, most
+
+    def _caps(self, epoch: int) -> dict[str, float]:
+        """Any thread: the most each member's part weighs in the parts we reduce of `epoch`'s round."""
+        own, proven = self.listed[self.stage], self._proven(epoch)
+        # a peer of our stage that has not told us of itself yet (no Progress) proves nothing, and is not refused
+        return {m: min(self._most, proven.get(m, self._most) if m in own else self._most) for m in self._members()}
 
     def _members(self) -> set[str]:
         return {*self.listed[self.stages[0]], *self.listed[self.stages[1]]} - {self.sdht.p2p_id}
