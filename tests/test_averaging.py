@@ -27,7 +27,13 @@ from hivemind.utils import get_dht_time
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
-from server.collab.hivemind_compat import ClippedPartReducer, ExactAllReduceRunner, StrictAverager, _declared
+from server.collab.hivemind_compat import (
+    AveragerClosed,
+    ClippedPartReducer,
+    ExactAllReduceRunner,
+    StrictAverager,
+    _declared,
+)
 from swarm.compression import get_codec
 
 pytestmark = pytest.mark.timeout(120)
@@ -216,6 +222,29 @@ def fixed_group(prefix: str, values: list[torch.Tensor], **kwargs):
         yield peers, start, round_of
     finally:
         shut_down(peers, [*dhts, boot])
+
+
+def test_a_round_asked_of_an_averager_that_is_shutting_down_is_refused_at_once():
+    """`step` and `shutdown` send down one pipe, and a step sent after the shutdown waited forever for the process to
+    take it: a server's compute thread that entered a round as the server stopped held the server's shutdown, which
+    waits for that thread (CI). Now the step raises at once, and a second shutdown does nothing."""
+    with fixed_group("avgtest_closing", [torch.zeros(100)]) as (peers, start, _round_of):
+        start()
+        (peer,) = peers
+        peer.shutdown()
+        outcome: list = []
+
+        def step() -> None:
+            try:
+                outcome.append(peer.step(weight=1.0, timeout=5, wait=False))
+            except AveragerClosed as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], AveragerClosed), outcome
+        peer.shutdown()
 
 
 def test_a_group_whose_weights_add_up_to_more_than_an_epoch_fails_for_every_peer():

@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from dht.records import stage_key
-from server.collab.hivemind_compat import StrictAverager, start_in_background
+from server.collab.hivemind_compat import AveragerClosed, StrictAverager, start_in_background
 from server.collab.lowrank import (
     PHASE_FULL,
     PHASE_P,
@@ -220,14 +220,18 @@ class GradientAveraging:
                 self.averager.fix_group(fixed or None, gather_timeout=self.gather_timeout())
             with self.averager.get_tensors() as buffers:  # every attempt starts from our own gradients
                 fill(buffers)
-            control = self.averager.step(
-                weight=float(n_samples),
-                scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                timeout=self.cfg.averaging_timeout,
-                allow_retries=False,
-                gather=gather,
-                wait=False,
-            )
+            try:
+                control = self.averager.step(
+                    weight=float(n_samples),
+                    scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                    timeout=self.cfg.averaging_timeout,
+                    allow_retries=False,
+                    gather=gather,
+                    wait=False,
+                )
+            except AveragerClosed:
+                logger.info("%s: not averaged: the peer is shutting down", label)
+                return False
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
                 result = self._result(control, nobody_left)
             except Exception as e:
@@ -399,12 +403,15 @@ class ParameterAveraging:
         with self.averager.get_tensors() as buffers:
             for buf, p in zip(buffers, worker.stage_params, strict=True):
                 buf.copy_(p.detach())
-        control = self.averager.step(
-            scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-            timeout=self.cfg.averaging_timeout,
-            allow_retries=True,
-            wait=False,
-        )
+        try:
+            control = self.averager.step(
+                scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
+                timeout=self.cfg.averaging_timeout,
+                allow_retries=True,
+                wait=False,
+            )
+        except AveragerClosed:
+            return  # the peer is shutting down
         try:
             result = control.result(timeout=2 * self.cfg.averaging_timeout)
         except Exception as e:

@@ -36,6 +36,7 @@ import hashlib
 import logging
 import math
 import signal
+import threading
 import time
 import typing
 from collections.abc import Callable, Iterable
@@ -369,6 +370,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
+class AveragerClosed(AllreduceException):
+    """A round asked of an averager that is shutting down."""
+
+
 class StrictAverager(DecentralizedAverager):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
     values (ExactAllReduceRunner), whose groups hold only the peers it was told of, and that can download the state
@@ -392,6 +397,28 @@ class StrictAverager(DecentralizedAverager):
     _weight_caps: dict[PeerID, float] | None = None  # the next rounds' caps of each member's weight (its process)
     _listed_read_at = float("-inf")
     runner_type: type[ExactAllReduceRunner] = ExactAllReduceRunner  # a test's runner may break a round's rules
+
+    def __init__(self, *args, **kwargs):
+        # `step` and `shutdown` send down one pipe: a step sent after the shutdown waits forever for the process to
+        # take it (seen: a server's compute thread entering a round as the server stopped, and the server's
+        # shutdown waiting on that thread). No step is sent once `shutdown` began.
+        self._sending, self._closing = threading.Lock(), False
+        super().__init__(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        """hivemind's; raises AveragerClosed once `shutdown` has begun. Call it with wait=False: the next
+        `shutdown` waits while a step is being handed to the process."""
+        with self._sending:
+            if self._closing:
+                raise AveragerClosed("the averager is shutting down")
+            return super().step(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """hivemind's, once."""
+        with self._sending:
+            closing, self._closing = self._closing, True
+        if not closing:
+            super().shutdown()
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
         """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
