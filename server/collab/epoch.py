@@ -819,6 +819,9 @@ class StageCollaboration:
         # read before the step: the lineages our peers reported for this epoch
         reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
         averaged, tied = self._average(grads, n, n_peers, epoch, True)
+        if averaged is None and self.phase is Phase.STOPPED:  # the round failed because we are stopping: no recovery
+            self.worker.return_gradients(grads, n)
+            return
         if averaged is None:
             averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
         if averaged is not None:
