@@ -204,7 +204,7 @@ class GradientAveraging:
             return self.cfg.averaging_timeout - (time.monotonic() - started)
 
         def give_up() -> bool:
-            return remaining() <= 0 or finished_without_us() or nobody_left()
+            return remaining() <= 0 or finished_without_us() or nobody_left() or self.averager.closing
 
         while result is None and not give_up():
             # every attempt in the fixed group of the peers the stage knows now, if it knows one beyond us: a member
@@ -276,6 +276,8 @@ class GradientAveraging:
             except TimeoutError:
                 if nobody_left():
                     raise AllreduceException("every peer of the stage stopped answering") from None
+                if self.averager.closing:
+                    raise AveragerClosed("the peer is shutting down") from None
                 if time.monotonic() >= deadline:
                     raise
 
@@ -477,8 +479,7 @@ class Averaging:
 
     def shutdown(self) -> None:
         for averager in self.averagers():
-            if averager.is_alive():
-                averager.shutdown()
+            averager.shutdown()  # also one whose process is gone: it takes no round afterwards
 
 
 def averager_options(sdht: SwarmDHT, cfg: AveragingConfig) -> dict:

@@ -829,7 +829,7 @@ class StageCollaboration:
             self.worker.apply_gradients(merged, end_epoch=True, load=load)
             if n_peers <= 1 and n > 0:
                 self.worker.branch()  # peers we did not know of may have stepped too, alone or together
-        if self.epoch == epoch:
+        if self.epoch == epoch or self.phase is Phase.STOPPED:  # stopping: no state to copy, no parameters to average
             return
         if reference is not None:
             # peers that each stepped alone (two that started together, before either listed the other) hold

@@ -402,22 +402,31 @@ class StrictAverager(DecentralizedAverager):
         # `step` and `shutdown` send down one pipe: a step sent after the shutdown waits forever for the process to
         # take it (seen: a server's compute thread entering a round as the server stopped, and the server's
         # shutdown waiting on that thread). No step is sent once `shutdown` began.
-        self._sending, self._closing = threading.Lock(), False
+        self._sending, self._closing, self._shut = threading.Lock(), False, False
         super().__init__(*args, **kwargs)
 
+    @property
+    def closing(self) -> bool:
+        """Whether `shutdown` has begun: no round will be averaged any more."""
+        return self._closing
+
     def step(self, *args, **kwargs):
-        """hivemind's; raises AveragerClosed once `shutdown` has begun. Call it with wait=False: the next
-        `shutdown` waits while a step is being handed to the process."""
+        """hivemind's; raises AveragerClosed once `shutdown` has begun. Call it with wait=False: `shutdown` waits
+        while a step is being handed to the process."""
         with self._sending:
             if self._closing:
                 raise AveragerClosed("the averager is shutting down")
             return super().step(*args, **kwargs)
 
     def shutdown(self) -> None:
-        """hivemind's, once."""
-        with self._sending:
-            closing, self._closing = self._closing, True
-        if not closing:
+        """hivemind's, once, and also for a process that is gone (no step is sent to it afterwards)."""
+        self._closing = True  # a step not yet handed over will not be
+        if self._sending.acquire(timeout=self.shutdown_timeout):  # one being handed over goes first
+            self._sending.release()
+        else:  # its process does not take it (a frozen event loop): hivemind's shutdown terminates the process
+            logger.warning("a round handed to the averager's process held its shutdown %.0fs", self.shutdown_timeout)
+        if not self._shut and self.is_alive():
+            self._shut = True
             super().shutdown()
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:

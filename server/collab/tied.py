@@ -128,6 +128,7 @@ class TiedAveraging(GradientAveraging):
         # hold for an epoch (`cap_own_stage`)
         self._proven: Callable[[int], dict[str, float]] = lambda _epoch: {}
         self._most = math.inf
+        self._named: set[str] = set()  # the members `_members` last gave: the group the next attempt is told of
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, which reads the DHT (set at start)
 
     async def refresh(self) -> None:
@@ -160,11 +161,13 @@ class TiedAveraging(GradientAveraging):
     def _caps(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each member's part weighs in the parts we reduce of `epoch`'s round."""
         own, proven = self.listed[self.stage], self._proven(epoch)
+        # the members the attempt was just told of (a fresh read could leave one out: it would weigh 0 in our parts);
         # a peer of our stage that has not told us of itself yet (no Progress) proves nothing, and is not refused
-        return {m: min(self._most, proven.get(m, self._most) if m in own else self._most) for m in self._members()}
+        return {m: min(self._most, proven.get(m, self._most) if m in own else self._most) for m in self._named}
 
     def _members(self) -> set[str]:
-        return {*self.listed[self.stages[0]], *self.listed[self.stages[1]]} - {self.sdht.p2p_id}
+        self._named = {*self.listed[self.stages[0]], *self.listed[self.stages[1]]} - {self.sdht.p2p_id}
+        return set(self._named)
 
     def average_tied(
         self,
