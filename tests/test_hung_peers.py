@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
 from server.collab.averaging import GradientAveraging
 from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
+from server.collab.hivemind_compat import AveragerClosed
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
 from server.stage_server import MAX_ANNOUNCES_IN_FLIGHT, PeerState, StageServer
@@ -98,7 +100,7 @@ async def test_a_progress_in_flight_when_another_drops_the_frozen_peer_fails_on_
 @pytest.mark.timeout(30)
 def test_a_round_left_with_nobody_gives_up_at_once():
     """A Future that never completes stands for hivemind's StepControl while its group waits for a frozen peer."""
-    averaging = GradientAveraging(SimpleNamespace(), AveragingConfig(averaging_timeout=10.0), codec=None)
+    averaging = GradientAveraging(SimpleNamespace(closing=False), AveragingConfig(averaging_timeout=10.0), codec=None)
     left = time.monotonic() + 0.5
     started = time.monotonic()
     with pytest.raises(AllreduceException, match="stopped answering"):
@@ -106,10 +108,23 @@ def test_a_round_left_with_nobody_gives_up_at_once():
     assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
     started = time.monotonic()
     with pytest.raises(TimeoutError):  # peers still there: the round's own bound (2 x the timeout) holds
-        GradientAveraging(SimpleNamespace(), AveragingConfig(averaging_timeout=0.2), codec=None)._result(
+        GradientAveraging(SimpleNamespace(closing=False), AveragingConfig(averaging_timeout=0.2), codec=None)._result(
             Future(), nobody_left=lambda: False
         )
     assert 0.35 < time.monotonic() - started < 2.0
+
+
+@pytest.mark.timeout(30)
+def test_a_round_in_flight_gives_up_once_its_averager_closes():
+    """A stopping peer's round whose group never completes ends within a poll of its averager's shutdown, not at
+    twice the averaging timeout (the server's shutdown waits for the compute thread that runs it)."""
+    averager = SimpleNamespace(closing=False)
+    averaging = GradientAveraging(averager, AveragingConfig(averaging_timeout=10.0), codec=None)  # type: ignore[arg-type]
+    threading.Timer(0.3, lambda: setattr(averager, "closing", True)).start()
+    started = time.monotonic()
+    with pytest.raises(AveragerClosed):
+        averaging._result(Future(), nobody_left=lambda: False)
+    assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
 
 
 @pytest.mark.integration
