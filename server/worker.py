@@ -484,6 +484,21 @@ class StageWorker:
             meta, tensors = self._state_view()
             return meta, [t.to("cpu", copy=True) for t in tensors]  # one copy, from a GPU too
 
+    def shared_state(self) -> tuple[dict, list[torch.Tensor], str]:
+        """Any thread. `state_tensors` and their `state_digest`: the cached digest while the state has not changed,
+        else one hashed from the copies, outside the lock, and cached for `digest` if the state is still the same."""
+        with self.state_lock:
+            generation, cached = self._generation, self._digested
+            meta, tensors = self._state_view()
+            tensors = [t.to("cpu", copy=True) for t in tensors]
+        if cached is not None and cached[0] == generation:
+            return meta, tensors, cached[1][1]
+        digest = state_digest(tensors, meta)
+        with self.state_lock:
+            if self._generation == generation:
+                self._digested = generation, (int(meta["epoch"]), digest)
+        return meta, tensors, digest
+
     def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
         """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""
         opt_state = self.optimizer.state_dict()

@@ -14,7 +14,7 @@ import torch
 from server.collab.progress import StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
-from server.worker import INITIAL_LINEAGE, StageWorker, valid_lineage
+from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
 from swarm.protocol import wire_pb2 as pb
@@ -364,6 +364,13 @@ def test_a_peer_hashes_its_state_once_and_every_change_of_it_gives_a_new_digest(
         worker.params[0].data.mul_(2)
     changed()
     assert len(reads) == 1 + 5 + 1  # one per state, and the state_tensors above
+
+    # a state sent to a joiner is hashed once, from its copy, and Info's digest reads that hash
+    worker.apply_gradients([torch.ones_like(p) for p in worker.params], end_epoch=True)
+    meta, tensors, sent = worker.shared_state()
+    assert sent == state_digest(tensors, meta) and sent not in [d for _, d in seen]
+    assert worker.digest() == (worker.epoch, sent) and len(reads) == 1 + 5 + 1 + 1
+    assert worker.shared_state()[2] == sent and len(reads) == 1 + 5 + 1 + 2  # a copy each time, no hash
 
 
 async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():

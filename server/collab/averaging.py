@@ -35,7 +35,7 @@ from server.collab.lowrank import (
     PowerSgdState,
 )
 from server.config import LOW_RANK_CODECS, AveragingConfig
-from server.worker import StageWorker, state_digest
+from server.worker import StageWorker
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
 
@@ -77,8 +77,7 @@ class StageAverager(StrictAverager):
         super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.stage_params], **kwargs)
 
     def get_current_state(self):
-        meta, tensors = self._worker.state_tensors()
-        digest = state_digest(tensors, meta)  # as our Info answers it: what a peer vouching for this state compares
+        meta, tensors, digest = self._worker.shared_state()  # the digest our Info gives: what a voucher compares
         if self.lowrank is not None:
             shared = self.lowrank.shared_tensors()
             meta, tensors = {**meta, "lowrank": len(shared)}, [*tensors, *shared]
