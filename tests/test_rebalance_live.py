@@ -69,7 +69,7 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
         started, series, peers = time.monotonic(), [], []
         wait_for(lambda: (s := swarm.trainer_stats()) and s[0]["samples"] > 0, 180, "the first trained microbatch")
         first_sample = time.monotonic() - started
-        # the moves take ~3 periods (a move waits up to --migration-drain-s for its stage's epoch to end); then 10
+        # the moves take ~3 periods (a move waits up to --migration-drain-s for its stage's epoch to end); then 7
         # more periods are observed after the last change the trainer saw, within a hard limit
         limit = time.monotonic() + 240
         while time.monotonic() < limit:
@@ -79,7 +79,7 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
             series.append((now, stats["samples"]))
             peers.append((now, stats["peers_per_stage"]))
             changed = max((t for (t, p), (_, q) in zip(peers[1:], peers, strict=False) if p != q), default=first_sample)
-            if now > first_sample + 11 * PERIOD + 20 and now - changed > 10 * PERIOD:
+            if now > first_sample + 8 * PERIOD + 20 and now - changed > 7 * PERIOD:
                 break
             time.sleep(1.0)
         final = swarm.trainer_stats()[0]
@@ -112,7 +112,7 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
     # 2/2/2 doubles the bottleneck's capacity; each stage then pays an all-reduce per epoch: 1.5-2.0x measured, and
     # the 8 s 'before' window varies by a fifth between runs on 2 shared cores
     assert after > 1.2 * before, (before, after)
-    assert series[-1][0] - settled >= 10 * PERIOD - 10, "fewer than 10 periods observed after the moves"
+    assert series[-1][0] - settled >= 7 * PERIOD - 10, "fewer than 7 periods observed after the moves"
 
 
 def test_stage_auto_joins_the_under_served_stage(tmp_path, marker):

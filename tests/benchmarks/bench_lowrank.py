@@ -42,7 +42,9 @@ def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> t
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int, optimizer: str = "adamw") -> float:
+def train(
+    cfg, data, heldout, steps: int, acp: dict | None, warmup: int, optimizer: str = "adamw", batch: int = BATCH
+) -> float:
     """Held-out loss after `steps` steps; `acp`: the low-rank state's keyword arguments (kind: "acp" or "powersgd",
     rank, error_feedback, reuse), or None for whole gradients."""
     torch.manual_seed(0)
@@ -56,18 +58,18 @@ def train(cfg, data, heldout, steps: int, acp: dict | None, warmup: int, optimiz
         state = (AcpState if kind == "acp" else PowerSgdState)(Layout.of([p.shape for p in params], rank), 1, **acp)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
-        loss = model(*windows(data, BATCH, cfg.max_seq_len, gen))
+        loss = model(*windows(data, batch, cfg.max_seq_len, gen))
         optim.zero_grad()
         loss.backward()
         if state is not None and step >= warmup:
             grads = [p.grad for p in params]
             shapes = [g.shape for g in grads]
             if isinstance(state, AcpState):
-                rnd = state.compress(grads, step, float(BATCH))
+                rnd = state.compress(grads, step, float(batch))
                 approx = state.decompress(rnd, rnd.factors, shapes)
                 state.commit(rnd, rnd.factors, had_samples=True)
             else:
-                first = state.first(grads, step, float(BATCH))
+                first = state.first(grads, step, float(batch))
                 second = state.second(first, first.factors)
                 approx = state.finish(second, second.factors, shapes, had_samples=True)
             for i, a in zip(state.layout.matrices, approx, strict=True):
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="whole-gradient steps first (swarm-server's default)")
     p.add_argument("--kinds", default="acp,powersgd", help="low-rank schemes to run at each rank (acp, powersgd)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="both sides train with it")
+    p.add_argument("--batch", type=int, default=BATCH, help="samples per step (swarm-local's global batch: 32)")
     p.add_argument("--only", default=None, help="configuration names separated by '|' ('whole gradients' always runs)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, (acp, ratio) in runs.items():
         started = time.monotonic()
-        loss = train(cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup, args.optimizer)
+        loss = train(cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup, args.optimizer, args.batch)
         common.log(f"{name}: held-out loss {loss:.4f} after {steps} steps ({time.monotonic() - started:.0f}s)")
         results.append({"config": name, "heldout": loss, "fp32_over_sent": ratio})
     whole = results[0]["heldout"]
