@@ -4,6 +4,7 @@ The whole behaviour runs in tests/test_integration.py (`frozen_one`: a server SI
 """
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -16,12 +17,13 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 from hivemind.averaging.partition import AllreduceException
 
 from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
-from server.collab.averaging import GradientAveraging
+from server.collab.averaging import ParameterAveraging, round_result
 from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
 from server.collab.hivemind_compat import AveragerClosed
 from server.collab.progress import StagePeers
@@ -100,31 +102,47 @@ async def test_a_progress_in_flight_when_another_drops_the_frozen_peer_fails_on_
 @pytest.mark.timeout(30)
 def test_a_round_left_with_nobody_gives_up_at_once():
     """A Future that never completes stands for hivemind's StepControl while its group waits for a frozen peer."""
-    averaging = GradientAveraging(SimpleNamespace(closing=False), AveragingConfig(averaging_timeout=10.0), codec=None)
+    averager = SimpleNamespace(closing=False)
     left = time.monotonic() + 0.5
     started = time.monotonic()
     with pytest.raises(AllreduceException, match="stopped answering"):
-        averaging._result(Future(), nobody_left=lambda: time.monotonic() > left)
+        round_result(Future(), averager, 10.0, nobody_left=lambda: time.monotonic() > left)  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
     started = time.monotonic()
     with pytest.raises(TimeoutError):  # peers still there: the round's own bound (2 x the timeout) holds
-        GradientAveraging(SimpleNamespace(closing=False), AveragingConfig(averaging_timeout=0.2), codec=None)._result(
-            Future(), nobody_left=lambda: False
-        )
+        round_result(Future(), averager, 0.2, nobody_left=lambda: False)  # type: ignore[arg-type]
     assert 0.35 < time.monotonic() - started < 2.0
 
 
 @pytest.mark.timeout(30)
 def test_a_round_in_flight_gives_up_once_its_averager_closes():
     """A stopping peer's round whose group never completes ends within a poll of its averager's shutdown, not at
-    twice the averaging timeout (the server's shutdown waits for the compute thread that runs it)."""
+    twice the averaging timeout (the server's shutdown waits for the compute thread that runs it): a gradient round,
+    and a parameter-averaging round, which leaves the parameters as they were."""
     averager = SimpleNamespace(closing=False)
-    averaging = GradientAveraging(averager, AveragingConfig(averaging_timeout=10.0), codec=None)  # type: ignore[arg-type]
     threading.Timer(0.3, lambda: setattr(averager, "closing", True)).start()
     started = time.monotonic()
     with pytest.raises(AveragerClosed):
-        averaging._result(Future(), nobody_left=lambda: False)
+        round_result(Future(), averager, 10.0, nobody_left=lambda: False)  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    buffers = [torch.zeros(3)]
+    round_in_flight = Future()
+    averager = SimpleNamespace(
+        closing=False,
+        expect_group=lambda *_: None,
+        get_tensors=lambda: contextlib.nullcontext(buffers),
+        step=lambda **_: round_in_flight,
+    )
+    round_in_flight.cancel = lambda: True  # type: ignore[method-assign]  # hivemind's StepControl.cancel
+    worker = SimpleNamespace(stage_params=[weight], changing_state=contextlib.nullcontext)
+    threading.Timer(0.3, lambda: setattr(averager, "closing", True)).start()
+    started = time.monotonic()
+    parameters = ParameterAveraging(averager, AveragingConfig(averaging_timeout=10.0), codec=None)  # type: ignore[arg-type]
+    parameters.average(worker)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.5, "the parameter round waited for its timeout instead"
+    assert torch.equal(weight.detach(), torch.ones(3)) and parameters.bytes == 0
 
 
 @pytest.mark.integration

@@ -232,7 +232,7 @@ class GradientAveraging:
                 logger.info("%s: not averaged: the peer is shutting down", label)
                 return False
             try:  # the step's own timeout covers matchmaking only: bound the round, or a stuck peer stalls the stage
-                result = self._result(control, nobody_left)
+                result = round_result(control, self.averager, self.cfg.averaging_timeout, nobody_left)
             except Exception as e:
                 control.cancel()
                 logger.log(self.attempt_log_level, "all-reduce attempt failed: %r", e)
@@ -266,20 +266,6 @@ class GradientAveraging:
         )
         return True
 
-    def _result(self, control: StepControl, nobody_left: Callable[[], bool]) -> dict | None:
-        """The attempt's result, within twice the averaging timeout, or at once an error once `nobody_left()`."""
-        deadline = time.monotonic() + 2 * self.cfg.averaging_timeout
-        while True:
-            try:
-                return control.result(timeout=min(ABANDON_POLL_S, max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
-                if nobody_left():
-                    raise AllreduceException("every peer of the stage stopped answering") from None
-                if self.averager.closing:
-                    raise AveragerClosed("the peer is shutting down") from None
-                if time.monotonic() >= deadline:
-                    raise
-
     @staticmethod
     def _finite(averaged: list[torch.Tensor], label: str) -> bool:
         if all(bool(torch.isfinite(a).all()) for a in averaged):
@@ -287,6 +273,24 @@ class GradientAveraging:
         # a group whose weights sum to 0 (nobody had samples) averages 0/0; anything else non-finite is garbage
         logger.warning("%s: the all-reduce returned non-finite values: treated as a failed round", label)
         return False
+
+
+def round_result(
+    control: StepControl, averager: StrictAverager, timeout: float, nobody_left: Callable[[], bool] = lambda: False
+) -> dict | None:
+    """A round's result, within twice `timeout` (the step's own timeout covers matchmaking only); at once an error
+    once `nobody_left()` or once the averager is shutting down (a stopping peer's round ends with it)."""
+    deadline = time.monotonic() + 2 * timeout
+    while True:
+        try:
+            return control.result(timeout=min(ABANDON_POLL_S, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if nobody_left():
+                raise AllreduceException("every peer of the stage stopped answering") from None
+            if averager.closing:
+                raise AveragerClosed("the peer is shutting down") from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 class LowRankGradientAveraging(GradientAveraging):
@@ -414,7 +418,10 @@ class ParameterAveraging:
         except AveragerClosed:
             return  # the peer is shutting down
         try:
-            result = control.result(timeout=2 * self.cfg.averaging_timeout)
+            result = round_result(control, self.averager, self.cfg.averaging_timeout)
+        except AveragerClosed:
+            control.cancel()
+            return  # the peer is shutting down: its parameters stay its own
         except Exception as e:
             control.cancel()
             logger.warning("parameter averaging raised %r", e)
