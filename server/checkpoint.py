@@ -64,5 +64,6 @@ def load_checkpoint(worker: StageWorker, directory: str | Path, lowrank: LowRank
             lowrank.restore(saved.get("lowrank"))
         except (ValueError, AttributeError, TypeError) as e:
             logger.warning("stage %d: the low-rank factors start over: %s", stage, e)
+        worker.shared_changed()  # the factors the state shares (and its digest covers)
     logger.info("stage %d: resumed from checkpoint at epoch %d", stage, saved["meta"]["epoch"])
     return int(saved["meta"]["epoch"])

@@ -168,6 +168,9 @@ class StageWorker:
         self.state_lock = threading.Lock()  # parameters and optimizer state change only under it (`changing_state`)
         self._generation = 0  # bumped by every `changing_state`: what the cached digest belongs to
         self._digested: tuple[int, tuple[int, str]] | None = None  # (generation, `digest()`)
+        # tensors shared with the state (the stage's low-rank factors): the source, and its copy read at the last change
+        self._shared_source: Callable[[], list[torch.Tensor]] | None = None
+        self._shared_copy: list[torch.Tensor] = []
         self.compute = ComputeThread(f"stage{stage.index}-compute")
         self.queue_length = 0
         self.param_version = 0  # optimizer steps taken
@@ -462,7 +465,24 @@ class StageWorker:
             try:
                 yield
             finally:
+                if self._shared_source is not None:
+                    self._shared_copy = self._shared_source()
                 self._generation += 1
+
+    def share_with_state(self, source: Callable[[], list[torch.Tensor]]) -> None:
+        """Any thread, once: tensors that a peer downloading our state gets with it and that its digest covers (the
+        stage's low-rank factors, server/collab/lowrank.py). `source()` returns copies; it is read at every change of
+        the state (`changing_state`), so the copy shared is the one that goes with the parameters it was read with:
+        a round's factors are kept before the step they belong to, and a state and its factors read at different
+        moments between the two would pair factors of one epoch with parameters of the one before."""
+        with self.changing_state():
+            self._shared_source = source
+
+    def shared_changed(self) -> None:
+        """Compute thread: the tensors shared with the state changed outside a change of the state (a downloaded
+        state's factors, loaded after its parameters; a checkpoint's): read them again."""
+        with self.changing_state():
+            pass
 
     def digest(self) -> tuple[int, str]:
         """Any thread. (epoch, `state_digest`) of the state a peer downloading ours gets (`state_tensors`), both of
@@ -473,7 +493,7 @@ class StageWorker:
         with self.state_lock:
             if self._digested is not None and self._digested[0] == self._generation:
                 return self._digested[1]
-            meta, tensors = self._state_view()
+            meta, tensors = self._shared_view()
             digest = int(meta["epoch"]), state_digest(tensors, meta)
             self._digested = self._generation, digest
             return digest
@@ -485,11 +505,12 @@ class StageWorker:
             return meta, [t.to("cpu", copy=True) for t in tensors]  # one copy, from a GPU too
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor], str]:
-        """Any thread. `state_tensors` and their `state_digest`: the cached digest while the state has not changed,
+        """Any thread. What a joiner downloads: `state_tensors`, then the tensors shared with the state (`lowrank` in
+        the metadata counts them), and their `state_digest`: the cached digest while the state has not changed,
         else one hashed from the copies, outside the lock, and cached for `digest` if the state is still the same."""
         with self.state_lock:
             generation, cached = self._generation, self._digested
-            meta, tensors = self._state_view()
+            meta, tensors = self._shared_view()
             tensors = [t.to("cpu", copy=True) for t in tensors]
         if cached is not None and cached[0] == generation:
             return meta, tensors, cached[1][1]
@@ -498,6 +519,13 @@ class StageWorker:
             if self._generation == generation:
                 self._digested = generation, (int(meta["epoch"]), digest)
         return meta, tensors, digest
+
+    def _shared_view(self) -> tuple[dict, list[torch.Tensor]]:
+        """Under the state lock: `_state_view` and the tensors shared with the state, as `shared_state` gives them."""
+        meta, tensors = self._state_view()
+        if self._shared_source is None:
+            return meta, tensors
+        return {**meta, "lowrank": len(self._shared_copy)}, [*tensors, *self._shared_copy]
 
     def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
         """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""

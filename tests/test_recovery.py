@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
@@ -371,6 +372,41 @@ def test_a_peer_hashes_its_state_once_and_every_change_of_it_gives_a_new_digest(
     assert sent == state_digest(tensors, meta) and sent not in [d for _, d in seen]
     assert worker.digest() == (worker.epoch, sent) and len(reads) == 1 + 5 + 1 + 1
     assert worker.shared_state()[2] == sent and len(reads) == 1 + 5 + 1 + 2  # a copy each time, no hash
+
+
+def test_a_states_digest_covers_its_low_rank_factors_read_with_the_parameters_they_go_with():
+    """With ACP-SGD a joiner copies the stage's factors with its state. A donor that hands other factors (they spoil
+    the stage's next rounds) hands a state whose digest is not the one its peers tell, so they do not vouch for it.
+    A round keeps its factors before the step they belong to: the state shared (and hashed) between the two still
+    carries the factors that go with the parameters not yet stepped, as every peer's does at that point."""
+    worker = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    acp = AcpState(Layout.of([p.shape for p in worker.params], 2), seed=2)
+    assert acp.layout.matrices, "the stage must have a low-rank tensor"
+    worker.share_with_state(acp.shared_tensors)
+    epoch, before = worker.digest()
+    meta, tensors, digest = worker.shared_state()
+    assert digest == before == state_digest(tensors, meta) and meta["lowrank"] == len(acp.shared_tensors())
+    assert all(torch.equal(x, y) for x, y in zip(tensors[-meta["lowrank"] :], acp.shared_tensors(), strict=True))
+    other_factors = [*tensors[:-1], tensors[-1] + 1]
+    assert not vouched(epoch, state_digest(other_factors, meta), [(epoch, digest), (epoch, digest)])
+
+    grads = [torch.randn_like(p) for p in worker.params]
+    rnd = acp.compress(grads, 0, 4.0)
+    acp.commit(rnd, rnd.factors, had_samples=True)  # the round's factors, kept before its step
+    assert worker.digest() == (epoch, before) and worker.shared_state()[2] == before
+    worker.apply_gradients(grads, end_epoch=True)
+    meta, tensors, stepped = worker.shared_state()
+    assert stepped != before and worker.digest() == (epoch + 1, stepped)
+    assert all(torch.equal(x, y) for x, y in zip(tensors[-meta["lowrank"] :], acp.shared_tensors(), strict=True))
+
+    # a downloaded state's factors are loaded after its parameters: the shared copy is read again
+    acp.load_shared([t + 1 for t in acp.shared_tensors()])
+    worker.shared_changed()
+    assert worker.digest()[1] not in (before, stepped)
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(worker.shared_state()[1][-meta["lowrank"] :], acp.shared_tensors(), strict=True)
+    )
 
 
 async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():

@@ -74,13 +74,13 @@ class StageAverager(StrictAverager):
             else []
             for phase in (PHASE_P, PHASE_Q)
         }
+        if lowrank is not None:  # a joiner copies the factors with the state, and the state's digest covers them
+            worker.share_with_state(lowrank.shared_tensors)
         super().__init__(averaged_tensors=[torch.zeros_like(p, device="cpu") for p in worker.stage_params], **kwargs)
 
     def get_current_state(self):
-        meta, tensors, digest = self._worker.shared_state()  # the digest our Info gives: what a voucher compares
-        if self.lowrank is not None:
-            shared = self.lowrank.shared_tensors()
-            meta, tensors = {**meta, "lowrank": len(shared)}, [*tensors, *shared]
+        # the state with its low-rank factors, and the digest our Info gives: what a voucher compares
+        meta, tensors, digest = self._worker.shared_state()
         logger.info("sending state of epoch %d to a joining peer (digest %s)", meta["epoch"], digest)
         return meta, tensors, None
 

@@ -181,15 +181,15 @@ class Recovery:
     async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> str:
         """Event loop. Raises Unvouched unless the stage's other live peers (`VOUCHERS` of them, those at the state's
         epoch first) let a state downloaded from `source` be loaded (`vouched`): each answers Info with the digest of
-        its own state, which covers the parameters, the optimizer state and the schedule's position (the low-rank
-        factors a state carries with ACP-SGD are not covered; nor is a state sent through a lossy --state-codec, which
+        its own state, which covers the parameters, the optimizer state, the schedule's position and, with low-rank
+        averaging, the factors the state carries (a state sent through a lossy --state-codec is not vouched for: it
         makes every joiner's state its own). A peer of the stage could otherwise hand a joiner, or a
         peer catching up, any finite state with our optimizer settings: it is whoever sorts first, or reports the
         furthest epoch. A peer that copies the state of one that stepped alone (after a failed round, or another
         lineage) takes that peer's word: nobody else holds its state yet. Returns the state's digest."""
-        worker_tensors, _ = self.averager.split_state(meta, tensors)  # raises ValueError if malformed
+        self.averager.split_state(meta, tensors)  # raises ValueError if malformed
         epoch = int(meta.get("epoch", -1))
-        digest = await asyncio.to_thread(state_digest, worker_tensors, meta)
+        digest = await asyncio.to_thread(state_digest, tensors, meta)
         epochs, me = self.peers.epochs_of(), self.peers.sdht.peer_id
         others = sorted(
             (p for p in self.peers.peers if p not in (source, me)), key=lambda p: (epochs.get(p) != epoch, p)
@@ -224,8 +224,9 @@ class Recovery:
         self.worker.load_state(meta, worker_tensors)
         if self.averager.lowrank is not None:
             self.averager.lowrank.load_shared(factors)
+            self.worker.shared_changed()  # the factors the state shares (and its digest covers) are these now
         self.downloads += 1
-        digest = digest or state_digest(worker_tensors, meta)
+        digest = digest or state_digest(tensors, meta)
         logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
 
     def after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:

@@ -23,6 +23,7 @@ import time
 import torch
 
 from server.collab.lowrank import PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q, AcpState, Layout, PowerSgdState
+from server.optim import build_schedule
 from swarm.config import model_config
 from swarm.model import GPT
 from tests.benchmarks import common
@@ -43,15 +44,25 @@ def windows(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> t
 
 
 def train(
-    cfg, data, heldout, steps: int, acp: dict | None, warmup: int, optimizer: str = "adamw", batch: int = BATCH
+    cfg,
+    data,
+    heldout,
+    steps: int,
+    acp: dict | None,
+    warmup: int,
+    optimizer: str = "adamw",
+    batch: int = BATCH,
+    cosine: bool = False,
 ) -> float:
     """Held-out loss after `steps` steps; `acp`: the low-rank state's keyword arguments (kind: "acp" or "powersgd",
-    rank, error_feedback, reuse), or None for whole gradients."""
+    rank, error_feedback, reuse), or None for whole gradients. `cosine`: the servers' schedule (server/optim.py)
+    decays the learning rate to 10% over the `steps`, as a run with --total-steps does."""
     torch.manual_seed(0)
     model = GPT(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     make, kwargs = OPTIMIZERS[optimizer]
     optim = make(params, **kwargs)
+    schedule = build_schedule(optim, 0, steps if cosine else 0)
     state: AcpState | PowerSgdState | None = None
     if acp is not None:
         rank, kind = acp.pop("rank"), acp.pop("kind", "acp")
@@ -76,6 +87,7 @@ def train(
                 params[i].grad = a
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         optim.step()
+        schedule.step()
     with torch.no_grad():
         return model(*heldout).item()
 
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="acp,powersgd", help="low-rank schemes to run at each rank (acp, powersgd)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS), help="both sides train with it")
     p.add_argument("--batch", type=int, default=BATCH, help="samples per step (swarm-local's global batch: 32)")
+    p.add_argument("--cosine", action="store_true", help="decay the learning rate to 10%% over the steps")
     p.add_argument("--only", default=None, help="configuration names separated by '|' ('whole gradients' always runs)")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
@@ -137,13 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, (acp, ratio) in runs.items():
         started = time.monotonic()
-        loss = train(cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup, args.optimizer, args.batch)
+        loss = train(
+            cfg, data, heldout, steps, dict(acp) if acp else None, args.warmup, args.optimizer, args.batch, args.cosine
+        )
         common.log(f"{name}: held-out loss {loss:.4f} after {steps} steps ({time.monotonic() - started:.0f}s)")
         results.append({"config": name, "heldout": loss, "fp32_over_sent": ratio})
     whole = results[0]["heldout"]
     common.table(
         f"Low-rank averaging in one process: held-out loss after {steps} steps (d_model {cfg.d_model}, warm-up "
-        f"{args.warmup}, {args.optimizer})",
+        f"{args.warmup}, {args.optimizer}{', cosine decay' if args.cosine else ''}, batch {args.batch})",
         ["configuration", "held-out loss", "vs whole", "all-reduce bytes: fp32 / sent per epoch"],
         [
             [r["config"], f"{r['heldout']:.4f}", f"{r['heldout'] / whole:.3f}", f"{r['fp32_over_sent']:.1f}x"]
@@ -158,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             "steps": steps,
             "d_model": cfg.d_model,
             "optimizer": args.optimizer,
+            "cosine": args.cosine,
+            "batch": args.batch,
             "results": results,
         },
     )
