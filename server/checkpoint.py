@@ -28,8 +28,12 @@ def save_checkpoint(worker: StageWorker, directory: str | Path, lowrank: LowRank
     """Any thread: reads a consistent snapshot (parameters, optimizer state, epoch) under the worker's state lock;
     with low-rank averaging, also its factors and this peer's residual."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    meta, tensors = worker.state_tensors()
-    saved_lowrank = lowrank.checkpoint() if lowrank is not None else None
+    meta, tensors, shared = worker.state_and_shared()
+    saved_lowrank = None
+    if lowrank is not None:
+        saved_lowrank = lowrank.checkpoint()  # this peer's residual, and the factors the state shares (one snapshot)
+        if shared:
+            saved_lowrank["shared"] = shared
     epoch = meta["epoch"]
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     weights = {name: t.contiguous() for name, t in zip(names, tensors, strict=False)}
@@ -58,12 +62,15 @@ def load_checkpoint(worker: StageWorker, directory: str | Path, lowrank: LowRank
     weights = load_file(str(weights_path(directory, stage)))
     names = [name for name, p in worker.stage.named_parameters() if p.requires_grad]
     tensors = [weights[name] for name in names] + saved["tensors"][len(names) :]
-    worker.load_state(saved["meta"], tensors)
-    if lowrank is not None:
+
+    def restore_lowrank() -> None:
+        assert lowrank is not None
         try:
             lowrank.restore(saved.get("lowrank"))
         except (ValueError, AttributeError, TypeError) as e:
             logger.warning("stage %d: the low-rank factors start over: %s", stage, e)
-        worker.shared_changed()  # the factors the state shares (and its digest covers)
+
+    # the factors with the parameters, in one change: the state the peer shares (and its digest) pairs them
+    worker.load_state(saved["meta"], tensors, None if lowrank is None else restore_lowrank)
     logger.info("stage %d: resumed from checkpoint at epoch %d", stage, saved["meta"]["epoch"])
     return int(saved["meta"]["epoch"])

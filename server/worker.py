@@ -465,24 +465,19 @@ class StageWorker:
             try:
                 yield
             finally:
+                self._generation += 1  # first: the cached digest is stale even if reading the shared tensors fails
                 if self._shared_source is not None:
                     self._shared_copy = self._shared_source()
-                self._generation += 1
 
     def share_with_state(self, source: Callable[[], list[torch.Tensor]]) -> None:
         """Any thread, once: tensors that a peer downloading our state gets with it and that its digest covers (the
         stage's low-rank factors, server/collab/lowrank.py). `source()` returns copies; it is read at every change of
         the state (`changing_state`), so the copy shared is the one that goes with the parameters it was read with:
         a round's factors are kept before the step they belong to, and a state and its factors read at different
-        moments between the two would pair factors of one epoch with parameters of the one before."""
+        moments between the two would pair factors of one epoch with parameters of the one before. Not under the
+        state lock (it is not reentrant)."""
         with self.changing_state():
             self._shared_source = source
-
-    def shared_changed(self) -> None:
-        """Compute thread: the tensors shared with the state changed outside a change of the state (a downloaded
-        state's factors, loaded after its parameters; a checkpoint's): read them again."""
-        with self.changing_state():
-            pass
 
     def digest(self) -> tuple[int, str]:
         """Any thread. (epoch, `state_digest`) of the state a peer downloading ours gets (`state_tensors`), both of
@@ -503,6 +498,13 @@ class StageWorker:
         with self.state_lock:
             meta, tensors = self._state_view()
             return meta, [t.to("cpu", copy=True) for t in tensors]  # one copy, from a GPU too
+
+    def state_and_shared(self) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+        """Any thread. `state_tensors` and the tensors shared with that state (copies), of one snapshot: what a
+        checkpoint saves."""
+        with self.state_lock:
+            meta, tensors = self._state_view()
+            return meta, [t.to("cpu", copy=True) for t in tensors], [t.clone() for t in self._shared_copy]
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor], str]:
         """Any thread. What a joiner downloads: `state_tensors`, then the tensors shared with the state (`lowrank` in
@@ -553,8 +555,11 @@ class StageWorker:
         }
         return meta, tensors
 
-    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        """Compute thread (or before serving). Inverse of `state_tensors`; raises ValueError on a mismatch."""
+    def load_state(self, meta: dict, tensors: list[torch.Tensor], with_state: Callable[[], None] | None = None) -> None:
+        """Compute thread (or before serving). Inverse of `state_tensors`; raises ValueError on a mismatch, changing
+        nothing. `with_state`: loads what is shared with the state (the downloaded state's low-rank factors) in the
+        same change, once the state is checked and loaded, so that no reader sees the new parameters with the old
+        factors (nor the new factors beside our parameters if the state is refused)."""
         n = meta["n_params"]
         if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
             raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
@@ -580,6 +585,8 @@ class StageWorker:
             self.epoch = int(meta.get("epoch", self.param_version))
             lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
             self.lineage = lineage if valid_lineage(lineage) else secrets.token_hex(8)
+            if with_state is not None:
+                with_state()
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""

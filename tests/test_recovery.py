@@ -11,9 +11,10 @@ import grpc
 import pytest
 import torch
 
+from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import StagePeers
-from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, catch_up_source, vouched
+from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
@@ -374,7 +375,7 @@ def test_a_peer_hashes_its_state_once_and_every_change_of_it_gives_a_new_digest(
     assert worker.shared_state()[2] == sent and len(reads) == 1 + 5 + 1 + 2  # a copy each time, no hash
 
 
-def test_a_states_digest_covers_its_low_rank_factors_read_with_the_parameters_they_go_with():
+def test_a_states_digest_covers_its_low_rank_factors_read_with_the_parameters_they_go_with(tmp_path):
     """With ACP-SGD a joiner copies the stage's factors with its state. A donor that hands other factors (they spoil
     the stage's next rounds) hands a state whose digest is not the one its peers tell, so they do not vouch for it.
     A round keeps its factors before the step they belong to: the state shared (and hashed) between the two still
@@ -385,28 +386,80 @@ def test_a_states_digest_covers_its_low_rank_factors_read_with_the_parameters_th
     worker.share_with_state(acp.shared_tensors)
     epoch, before = worker.digest()
     meta, tensors, digest = worker.shared_state()
-    assert digest == before == state_digest(tensors, meta) and meta["lowrank"] == len(acp.shared_tensors())
-    assert all(torch.equal(x, y) for x, y in zip(tensors[-meta["lowrank"] :], acp.shared_tensors(), strict=True))
+    k = meta["lowrank"]
+    assert digest == before == state_digest(tensors, meta) and k == len(acp.shared_tensors())
+    assert all(torch.equal(x, y) for x, y in zip(tensors[-k:], acp.shared_tensors(), strict=True))
     other_factors = [*tensors[:-1], tensors[-1] + 1]
-    assert not vouched(epoch, state_digest(other_factors, meta), [(epoch, digest), (epoch, digest)])
+    assert state_digest(other_factors, meta) != digest
 
     grads = [torch.randn_like(p) for p in worker.params]
     rnd = acp.compress(grads, 0, 4.0)
+    old_factors = acp.shared_tensors()
     acp.commit(rnd, rnd.factors, had_samples=True)  # the round's factors, kept before its step
-    assert worker.digest() == (epoch, before) and worker.shared_state()[2] == before
+    assert not all(torch.equal(x, y) for x, y in zip(old_factors, acp.shared_tensors(), strict=True))
+    meta, tensors = worker.state_and_shared()[0], [*worker.state_and_shared()[1], *worker.state_and_shared()[2]]
+    shared = worker.shared_state()[1]
+    for copy in (tensors, shared):  # read afresh, not the cached digest: the factors that go with these parameters
+        assert all(torch.equal(x, y) for x, y in zip(copy[-k:], old_factors, strict=True))
+        assert state_digest(copy, {**meta, "lowrank": k}) == before
+    save_checkpoint(worker, tmp_path, acp)  # saved between the round and its step: the same pairing
+    resumed = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    resumed_acp = AcpState(acp.layout, seed=3)
+    resumed.share_with_state(resumed_acp.shared_tensors)
+    load_checkpoint(resumed, tmp_path, resumed_acp)
+    assert resumed.digest() == (epoch, before)
+    resumed.shutdown()
     worker.apply_gradients(grads, end_epoch=True)
     meta, tensors, stepped = worker.shared_state()
-    assert stepped != before and worker.digest() == (epoch + 1, stepped)
-    assert all(torch.equal(x, y) for x, y in zip(tensors[-meta["lowrank"] :], acp.shared_tensors(), strict=True))
+    assert stepped != before and worker.digest() == (epoch + 1, stepped) == (epoch + 1, state_digest(tensors, meta))
+    assert all(torch.equal(x, y) for x, y in zip(tensors[-k:], acp.shared_tensors(), strict=True))
 
-    # a downloaded state's factors are loaded after its parameters: the shared copy is read again
-    acp.load_shared([t + 1 for t in acp.shared_tensors()])
-    worker.shared_changed()
-    assert worker.digest()[1] not in (before, stepped)
-    assert all(
-        torch.equal(x, y)
-        for x, y in zip(worker.shared_state()[1][-meta["lowrank"] :], acp.shared_tensors(), strict=True)
+    # a downloaded state's factors are loaded with its parameters, in one change
+    donor = [t + 1 for t in acp.shared_tensors()]
+    worker.load_state(meta, tensors[:-k], lambda: acp.load_shared(donor))
+    meta, tensors, loaded = worker.shared_state()
+    assert loaded not in (before, stepped) and loaded == state_digest(tensors, meta)
+    assert all(torch.equal(x, y) for x, y in zip(tensors[-k:], donor, strict=True))
+    with pytest.raises(ValueError):  # a refused state changes neither the parameters nor the factors
+        worker.load_state({**meta, "n_params": 1}, tensors[:-k], lambda: acp.load_shared(old_factors))
+    assert worker.digest()[1] == loaded and all(
+        torch.equal(x, y) for x, y in zip(acp.shared_tensors(), donor, strict=True)
     )
+
+
+async def test_a_state_whose_low_rank_factors_are_not_the_stages_is_not_vouched_for():
+    """Two peers at the state's epoch tell the digest of the state they hold, factors included: a donor's state
+    with the same parameters and other factors is refused; the one they hold is loaded, factors and all."""
+    donor = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    ours = StageWorker(Stage(tiny_test(), 1), OptimizerConfig(), ComputeConfig(), torch.device("cpu"))
+    layout = Layout.of([p.shape for p in donor.params], 2)
+    theirs, mine = AcpState(layout, seed=2), AcpState(layout, seed=2)
+    donor.share_with_state(theirs.shared_tensors)
+    ours.share_with_state(mine.shared_tensors)
+    donor.apply_gradients([torch.randn_like(p) for p in donor.params], end_epoch=True)
+    meta, tensors, honest = donor.shared_state()
+    k = meta["lowrank"]
+    forged = [*tensors[:-k], *(t.flip(0) for t in tensors[-k:])]
+
+    class Vouching(Peers):
+        async def state_of(self, peer_id: str, timeout: float) -> tuple[int, str] | None:
+            return donor.digest()
+
+    def split_state(meta: dict, tensors: list) -> tuple[list, list]:
+        return tensors[: len(tensors) - meta["lowrank"]], tensors[len(tensors) - meta["lowrank"] :]
+
+    averager = SimpleNamespace(exact_states=True, lowrank=mine, split_state=split_state)
+    peers = Vouching("me", {"donor": 8, "b": 8, "c": 8}, epoch=meta["epoch"])
+    try:
+        recovery = Recovery(ours, averager, peers, AveragingConfig(), 1, pool=None)
+        with pytest.raises(Unvouched):
+            await recovery.vouch("donor", meta, forged)
+        assert await recovery.vouch("donor", meta, tensors) == honest
+        recovery.load(meta, tensors, digest=honest)
+        assert ours.digest() == donor.digest()
+        assert all(torch.equal(x, y) for x, y in zip(mine.shared_tensors(), theirs.shared_tensors(), strict=True))
+    finally:
+        donor.shutdown(), ours.shutdown()
 
 
 async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():

@@ -221,10 +221,9 @@ class Recovery:
         worker_tensors, factors = self.averager.split_state(meta, tensors)  # checked before anything changes
         if not keep_gradients or int(meta.get("epoch", -1)) != self.worker.epoch:
             self.worker.drop_gradients()
-        self.worker.load_state(meta, worker_tensors)
-        if self.averager.lowrank is not None:
-            self.averager.lowrank.load_shared(factors)
-            self.worker.shared_changed()  # the factors the state shares (and its digest covers) are these now
+        lowrank = self.averager.lowrank
+        # the factors with the parameters, in one change: the state we share (and its digest) pairs them
+        self.worker.load_state(meta, worker_tensors, None if lowrank is None else lambda: lowrank.load_shared(factors))
         self.downloads += 1
         digest = digest or state_digest(tensors, meta)
         logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
