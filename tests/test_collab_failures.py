@@ -108,25 +108,34 @@ async def test_a_joiner_copies_the_stage_when_the_dht_lists_nobody_sharing_state
             assert torch.equal(pa, pb), f"{name}: the joiner holds different parameters"
 
 
-async def test_a_joiner_takes_the_state_its_stages_peers_agree_on_not_the_first_peers_it_asks():
+@pytest.mark.parametrize("forged", ["parameters", "acp factors"])
+async def test_a_joiner_takes_the_state_its_stages_peers_agree_on_not_the_first_peers_it_asks(forged):
     """A listed peer of the stage can hold (and send) any finite state with our optimizer settings: nothing in the state
     itself tells it from the stage's. A joiner asks its peers in the order of their ids, so before it took the state of
     whichever sorted first. Now the stage's other peers at the state's epoch tell the digest of theirs (Info), and a
-    state two of them contradict is refused: the joiner takes the state two of its three peers hold."""
+    state two of them contradict is refused: the joiner takes the state two of its three peers hold. With ACP-SGD the
+    state carries the stage's low-rank factors, and a liar's other factors are refused alike."""
+    averaging = ACP if forged == "acp factors" else {}
     async with stage_servers() as (peers, servers):
         for _ in range(3):
-            servers.append(await start_server(peers, stage=1))
+            servers.append(await start_server(peers, stage=1, **averaging))
         await meet(*servers)
         liar = min(servers, key=lambda s: s.sdht.peer_id)  # the first a joiner asks
         honest = [s for s in servers if s is not liar]
         with liar.worker.changing_state():
-            next(liar.worker.stage.parameters()).data.add_(0.25)
+            if forged == "parameters":
+                next(liar.worker.stage.parameters()).data.add_(0.25)
+            else:
+                liar.collab.averaging.gradients.lowrank.p[0].add_(0.25)
         stage_state = honest[0].collab.shared_digest()
         assert liar.collab.shared_digest() != stage_state == honest[1].collab.shared_digest()
 
-        servers.append(joiner := await start_server(peers, stage=1))
+        servers.append(joiner := await start_server(peers, stage=1, **averaging))
         assert joiner.worker.digest() == stage_state, "the joiner took the state only its first peer holds"
         assert (joiner.collab.state_downloads, joiner.collab.recovery.unvouched) == (1, 1)
+        if averaging:
+            factors = [s.collab.averaging.gradients.lowrank.shared_tensors() for s in (joiner, honest[0])]
+            assert all(torch.equal(x, y) for x, y in zip(*factors, strict=True)), "the joiner took the liar's factors"
 
 
 async def silent(*args, **kwargs) -> None:
