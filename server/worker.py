@@ -495,15 +495,15 @@ class StageWorker:
 
     def state_tensors(self) -> tuple[dict, list[torch.Tensor]]:
         """Any thread. Parameters and optimizer state as (metadata, CPU tensors), consistent with each other."""
-        with self.state_lock:
-            meta, tensors = self._state_view()
-            return meta, [t.to("cpu", copy=True) for t in tensors]  # one copy, from a GPU too
+        meta, tensors, _ = self.state_and_shared()
+        return meta, tensors
 
     def state_and_shared(self) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
         """Any thread. `state_tensors` and the tensors shared with that state (copies), of one snapshot: what a
         checkpoint saves."""
         with self.state_lock:
             meta, tensors = self._state_view()
+            # one copy, from a GPU too
             return meta, [t.to("cpu", copy=True) for t in tensors], [t.clone() for t in self._shared_copy]
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor], str]:

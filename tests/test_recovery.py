@@ -2,6 +2,7 @@
 reference that is waited for can freeze: the others must not wait for it for as long as it stays frozen."""
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from server.checkpoint import load_checkpoint, save_checkpoint
+from server.collab.averaging import StageAverager
 from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
@@ -397,9 +399,11 @@ def test_a_states_digest_covers_its_low_rank_factors_read_with_the_parameters_th
     old_factors = acp.shared_tensors()
     acp.commit(rnd, rnd.factors, had_samples=True)  # the round's factors, kept before its step
     assert not all(torch.equal(x, y) for x, y in zip(old_factors, acp.shared_tensors(), strict=True))
-    meta, tensors = worker.state_and_shared()[0], [*worker.state_and_shared()[1], *worker.state_and_shared()[2]]
-    shared = worker.shared_state()[1]
-    for copy in (tensors, shared):  # read afresh, not the cached digest: the factors that go with these parameters
+    meta, state, factors = worker.state_and_shared()
+    for copy in (
+        [*state, *factors],
+        worker.shared_state()[1],
+    ):  # read afresh, not the cached digest: the factors that go with these parameters
         assert all(torch.equal(x, y) for x, y in zip(copy[-k:], old_factors, strict=True))
         assert state_digest(copy, {**meta, "lowrank": k}) == before
     save_checkpoint(worker, tmp_path, acp)  # saved between the round and its step: the same pairing
@@ -445,9 +449,7 @@ async def test_a_state_whose_low_rank_factors_are_not_the_stages_is_not_vouched_
         async def state_of(self, peer_id: str, timeout: float) -> tuple[int, str] | None:
             return donor.digest()
 
-    def split_state(meta: dict, tensors: list) -> tuple[list, list]:
-        return tensors[: len(tensors) - meta["lowrank"]], tensors[len(tensors) - meta["lowrank"] :]
-
+    split_state = functools.partial(StageAverager.split_state, SimpleNamespace(lowrank=mine))  # the averager's own
     averager = SimpleNamespace(exact_states=True, lowrank=mine, split_state=split_state)
     peers = Vouching("me", {"donor": 8, "b": 8, "c": 8}, epoch=meta["epoch"])
     try:

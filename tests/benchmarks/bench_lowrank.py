@@ -4,15 +4,17 @@ gradients.
 
 A stage group of one peer averages its own factors, so this isolates the algorithm (rank, error feedback, query reuse,
 warm-up) from the swarm (staleness, the 8-bit wire, failed rounds); bench_quality measures ACP in the swarm. Same
-optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), same global batch (32), held-out = the last 10% of the
+optimizer as swarm-server (AdamW 2e-3, wd 0.01, clip 1.0), same global batch (32, `--batch`), held-out = the last 10% of the
 built-in corpus. Bytes per round are the layout's: values sent in fp16 (what the servers send) against fp32 whole
 gradients per epoch (ACP: one factor per epoch, averaged over P and Q epochs; PowerSGD: both factors every epoch).
 
 `--optimizer sgd` (Nesterov momentum 0.9, lr 0.3: the optimizer of ACP-SGD's own experiments) or `adafactor`
 (torch's, lr 1e-2: a factored second moment, no momentum) trains both sides with that optimizer instead of AdamW, to
-measure how much of the gap is the optimizer's.
+measure how much of the gap is the optimizer's. `--batch N` changes the global batch (less gradient noise per step),
+`--cosine` adds the servers' cosine decay of the learning rate to 10% over the run (as with --total-steps).
 
     python -m tests.benchmarks.bench_lowrank [--quick] [--steps 300] [--d-model 512] [--ranks 4,16] [--only "a|b"]
+        [--batch 128] [--cosine]
 """
 
 from __future__ import annotations
