@@ -718,27 +718,8 @@ class StageCollaboration:
         try:
             if not self.cfg.delay_optimizer_step:
                 await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
-            else:
-                # the epoch moves on now and the step lands later: a peer that took our state meanwhile would miss it
-                self.averaging.state.allow_state_sharing = False
-                grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
-                # the lineages our peers reported, read before our step (as with synchronous steps)
-                reference = (
-                    self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
-                )
-                # peers report the next epoch while this one is still being averaged in the background
-                averaged, tied = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._average, grads, n, n_peers, epoch, False
-                )
-                if averaged is None:  # resynced by _catch_up instead
-                    averaged, self.diverged, self._diverged_at, reference = grads, True, epoch, None
-                else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
-                    self._spawn(self._broadcast(end_epoch=False))
-                if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
-                    await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
-                self.averaging.state.allow_state_sharing = True
-                if reference is not None:  # peers of another history stepped with us: copy one
-                    await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
+            elif not await self.worker.submit(lambda: self._skip_if_empty(epoch, n_peers)):
+                await self._average_and_step_delayed(epoch, n_peers)
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
@@ -746,6 +727,43 @@ class StageCollaboration:
             self._stepped.set()
         self.averaging.state.state_sharing_priority = self.worker.param_version
         await self._broadcast(end_epoch=False)
+
+    async def _average_and_step_delayed(self, epoch: int, n_peers: int) -> None:
+        """The epoch moves on now and its step lands once its round is over (--delay-optimizer-step)."""
+        # a peer that took our state meanwhile would miss the step
+        self.averaging.state.allow_state_sharing = False
+        grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
+        # the lineages our peers reported, read before our step (as with synchronous steps)
+        reference = self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
+        # peers report the next epoch while this one is still being averaged in the background
+        averaged, tied = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._average, grads, n, n_peers, epoch, False
+        )
+        if averaged is None:  # resynced by _catch_up instead
+            averaged, self.diverged, self._diverged_at, reference = grads, True, epoch, None
+        else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
+            self._spawn(self._broadcast(end_epoch=False))
+        if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
+            await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
+        self.averaging.state.allow_state_sharing = True
+        if reference is not None:  # peers of another history stepped with us: copy one
+            await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
+
+    def _skip_if_empty(self, epoch: int, n_peers: int, skip_to: int | None = None) -> bool:
+        """Compute thread, as `epoch` ends: if nobody has samples towards it (we have none, and no live peer of the
+        stage reported any), end it without a round or a step, and the empty ones stage 0 has already finished too
+        (`skip_to`). A round would average zero weights (0/0) and step on nothing: a momentum and weight-decay step
+        no single process takes. Peers report their counts before they reply to a trainer, so every peer of the stage
+        decides alike; one whose count we had not heard yet steps alone after its failed round, and we copy it.
+        Not with a tied weight and peers: its round spans the other stage, whose peers may have samples."""
+        if self.worker.samples_accumulated + self.worker.samples_late > 0:
+            return False
+        if n_peers > 1 and (self.worker.tied is not None or any(self.peers.counts_of(epoch).values())):
+            return False
+        # alone, our peers' counts died with them, or stage 0 moved on without us
+        self.worker.skip_to(max(epoch + 1, skip_to or 0))
+        self._averaged = epoch  # a peer that waits for us in a round of it stops (`StagePeers.round_over`)
+        return True
 
     def _average(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
@@ -810,10 +828,7 @@ class StageCollaboration:
     def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:
         """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
         epoch = self.epoch
-        if n_peers <= 1 and self.worker.samples_accumulated + self.worker.samples_late == 0:
-            # alone with nothing to step on (our peers' counts died with them, or stage 0 moved on without us): the
-            # epoch ends without a step, and so do the empty ones stage 0 has already finished
-            self.worker.skip_to(max(epoch + 1, skip_to or 0))
+        if self._skip_if_empty(epoch, n_peers, skip_to):
             return
         grads, n = self.worker.take_gradients()
         # read before the step: the lineages our peers reported for this epoch
