@@ -23,8 +23,8 @@ from swarm.cli import (
     add_config_file_arg,
     add_model_args,
     config_from_args,
-    model_from_args,
     parse_args,
+    pipeline_model_from_args,
 )
 from swarm.devices import resolve_device
 from swarm.protocol import access
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
     try:
-        cfg, model_cfg = config_from_args(ServerConfig, args), model_from_args(args)
+        cfg, model_cfg = config_from_args(ServerConfig, args), pipeline_model_from_args(args)
         swarm_key = access.load(cfg.network.swarm_key)
     except ValueError as e:
         parser.error(str(e))

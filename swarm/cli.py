@@ -132,6 +132,20 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     return model_config(args.preset, **overrides)
 
 
+# Stage 0 admits each microbatch into a global batch when it serves the microbatch's Forward, and every later call
+# carries that signed admission. A one-stage pipeline has no Forward (its one call is the last stage's Backward), so
+# nothing would be admitted and every call refused: a swarm that never trains. Said at start instead.
+ONE_STAGE = "stage 0 admits microbatches on their Forward, which a one-stage pipeline never calls"
+
+
+def pipeline_model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The model of a swarm's server or trainer (`model_from_args`): cut into 2 or more stages."""
+    cfg = model_from_args(args)
+    if cfg.n_stages < 2:
+        raise ValueError(f"--n-stages must be >= 2 for a swarm, got {cfg.n_stages}: {ONE_STAGE}")
+    return cfg
+
+
 CONFIG_FLAG = "--config"
 
 

@@ -1,4 +1,5 @@
-"""swarm-local's configuration (pure; the launcher itself runs in test_integration.py and test_rebalance_live.py)."""
+"""swarm-local's configuration, and the pipeline every command needs (pure; the launcher itself runs in
+test_integration.py and test_rebalance_live.py)."""
 
 import pytest
 
@@ -15,3 +16,22 @@ def test_a_bad_allocation_is_refused_with_a_message(bad, capsys):
     with pytest.raises(SystemExit):
         main(["--stages", "3", "--servers-per-stage", bad])
     assert "--servers-per-stage must be one count >= 1 or 3 comma-separated counts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, argv",
+    [
+        ("swarm.tools.local", ["--stages", "1"]),
+        ("server.main", ["--n-stages", "1", "--stage", "0"]),
+        ("trainer.main", ["--n-stages", "1"]),
+    ],
+)
+def test_a_one_stage_swarm_is_refused_at_start_with_the_reason(command, argv, capsys):
+    """A one-stage pipeline never calls a Forward, so stage 0 would admit nothing and refuse every Backward: the swarm
+    started, and trained 0 steps for as long as it ran. Now each command says so and exits."""
+    module = __import__(command, fromlist=["main"])
+    with pytest.raises(SystemExit) as exited:
+        module.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be >= 2" in err and "stage 0 admits microbatches on their Forward" in err, err

@@ -34,6 +34,7 @@ from server.config import (
     ServerConfig,
 )
 from swarm.cli import (
+    ONE_STAGE,
     add_config_args,
     add_config_file_arg,
     config_from_args,
@@ -140,8 +141,10 @@ class LocalConfig:
     )
 
     def __post_init__(self) -> None:
-        if min(self.stages, self.trainers) < 1:
-            raise ValueError("--stages and --trainers must be >= 1")
+        if self.trainers < 1:
+            raise ValueError("--trainers must be >= 1")
+        if self.stages < 2:
+            raise ValueError(f"--stages must be >= 2, got {self.stages}: {ONE_STAGE}")
         if self.rebalance_period_s <= 0 or self.slowdown < 1:
             raise ValueError("--rebalance-period-s must be > 0 and --slowdown >= 1")
         if not -1 <= self.monitor_port < 65536:
