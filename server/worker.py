@@ -138,6 +138,11 @@ class ComputeThread:
         self._thread.join()
 
 
+FORWARD_CHUNK_CPU = (
+    16  # samples per piece of a Forward on CPU (--forward-chunk-samples -1): as fast as whole, or faster
+)
+
+
 class StageWorker:
     def __init__(
         self,
@@ -152,6 +157,8 @@ class StageWorker:
         (a peer that moved brings its speed on its previous stage instead of a fresh, noisier, one-off measurement)."""
         self.stage, self.device = stage.to(device).train(), device
         self.optim_cfg, self.compute_cfg = optimizer, compute
+        chunk = compute.forward_chunk_samples
+        self.forward_chunk = chunk if chunk >= 0 else (FORWARD_CHUNK_CPU if device.type == "cpu" else 0)
         self.prior_throughput = prior_throughput
         self.guard_cfg = guard or GuardConfig()
         self.guard = GradientGuard(self.guard_cfg.grad_outlier_factor)
@@ -215,9 +222,22 @@ class StageWorker:
             self.queue_length -= request
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Compute thread only."""
-        with self._timed("forward", inputs.shape[0]):
-            return stage_forward(self.stage, inputs)
+        """Compute thread only. In pieces of `forward_chunk` samples, each written into the output as it is done:
+        every sample's output depends on that sample alone (no layer mixes the batch), so the output is the same,
+        and the working memory is a piece's (a server's resident memory under a burst of Forwards, bench_flood)."""
+        n, chunk = inputs.shape[0], self.forward_chunk
+        with self._timed("forward", n):
+            if not 0 < chunk < n:
+                return stage_forward(self.stage, inputs)
+            out: torch.Tensor | None = None
+            for start in range(0, n, chunk):
+                piece = stage_forward(self.stage, inputs[start : start + chunk])
+                if out is None:
+                    out = piece.new_empty((n, *piece.shape[1:]))
+                out[start : start + piece.shape[0]] = piece
+                del piece
+            assert out is not None
+            return out
 
     def backward(
         self,

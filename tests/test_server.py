@@ -226,3 +226,23 @@ def test_backward_recomputes_the_forward_at_the_version_that_served_it(stash_ver
         assert not any(torch.equal(p, q) for p, q in zip(worker.params, reference.params, strict=True)), "restored"
     else:
         assert not same and worker.backwards_past_stash == 1
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_a_forward_in_pieces_is_the_whole_forward_bit_for_bit(which):
+    """--forward-chunk-samples (16 on CPU by default): a Forward is computed a piece at a time, with the working
+    memory of a piece, and its output is the whole batch's, bitwise (no layer mixes samples). 37 samples: 3 pieces."""
+    cfg = tiny_test()
+    index = {"first": 0, "middle": 1, "last": cfg.n_stages - 1}[which]
+    tokens, _ = random_batch(cfg, 37, 0)
+    hidden = torch.randn(*tokens.shape, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    inputs = tokens if index == 0 else hidden
+    pieced = StageWorker(Stage(cfg, index), OptimizerConfig(), ComputeConfig(), CPU)
+    whole = StageWorker(Stage(cfg, index), OptimizerConfig(), ComputeConfig(forward_chunk_samples=0), CPU)
+    assert (pieced.forward_chunk, whole.forward_chunk) == (16, 0)
+    whole.stage.load_state_dict(pieced.stage.state_dict())
+    calls = []
+    pieced.stage.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    out = pieced.forward(inputs)
+    assert calls == [16, 16, 5]
+    assert torch.equal(out, whole.forward(inputs))

@@ -120,6 +120,9 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=8, help="MiB of hidden states per Forward")
     p.add_argument("--deadline", type=float, default=30.0, help="each call's deadline, seconds")
     p.add_argument("--settle", type=float, default=5.0, help="seconds between rounds before RSS is read")
+    p.add_argument(
+        "--forward-chunk-samples", type=int, default=-1, help="the server's (-1: its default; 0: whole Forwards)"
+    )
     args = p.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 4)
     args.concurrency = args.concurrency or (24 if args.quick else 48)
@@ -131,6 +134,7 @@ def main() -> None:
     with new_swarm(args.out, "flood") as swarm:
         swarm.start_dht()
         flags = ["--port", str(port), "--max-batch-size", str(batch), "--no-check-reachability", "--no-rebalance"]
+        flags += ["--forward-chunk-samples", str(args.forward_chunk_samples)]
         server = swarm.start_server("server1", 1, flags)
         wait_ready(swarm, {"server1": address})
         pid = server.proc.pid
@@ -176,7 +180,8 @@ def main() -> None:
                 by_kind[kind][status] += 1
             common.log("  by kind: " + "; ".join(f"{k} {dict(v)}" for k, v in by_kind.items()))
         common.table(
-            f"flood: {args.concurrency} concurrent calls per round, {args.mb} MiB each, deadline {args.deadline:.0f}s "
+            f"flood: {args.concurrency} concurrent calls per round, {args.mb} MiB each, deadline {args.deadline:.0f}s, "
+            f"--forward-chunk-samples {args.forward_chunk_samples} "
             f"(RSS at rest {start:.0f} MB; one valid Forward alone peaks at {alone_peak:.0f} MB)",
             [
                 "round",
