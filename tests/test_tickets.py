@@ -183,31 +183,6 @@ async def test_a_stage_behind_stage_zero_skips_and_a_peer_behind_its_stage_refus
         assert worker.samples_processed == done + B
 
 
-async def test_an_epoch_no_peer_of_the_stage_had_samples_in_ends_without_a_round_or_a_step():
-    """Stage 0 admits a microbatch of a later epoch (the ones between lost their backwards): a stage-1 epoch ends
-    with no samples on any of its peers. Each sees from its peers' counts that nobody has any and moves on without a
-    round or a step. Before, they ran the round anyway: its weights summed to 0, it averaged 0/0 into NaN, and every
-    peer counted a failed round (a stepped zero gradient would have been a momentum-only step)."""
-    async with stage_servers() as (initial_peers, servers):
-        servers.append(first := await start_server(initial_peers, stage=0))
-        servers.append(a := await start_server(initial_peers, stage=1))
-        servers.append(b := await start_server(initial_peers, stage=1))
-        await meet(a, b)
-        await wait_for_async(lambda: not (a.collab.busy or b.collab.busy), 30, "both peers to settle")
-        epoch = a.collab.epoch
-        assert b.collab.epoch == epoch
-        before = [(p.worker.param_version, p.collab.rounds_ok, p.collab.rounds_failed) for p in (a, b)]
-        later = signed_by(first.sdht.identity, "mb-1", epoch + 1, epoch + 1)
-        await raw_call(b.record().address, "Backward", last_stage_backward(meta_of(later, "mb-1")))
-        await wait_for_async(
-            lambda: a.collab.epoch == b.collab.epoch == epoch + 1 and not (a.collab.busy or b.collab.busy),
-            30,
-            "both peers to end the epoch",
-        )
-        assert [(p.worker.param_version, p.collab.rounds_ok, p.collab.rounds_failed) for p in (a, b)] == before
-        assert b.worker.samples_accumulated == B  # the call counts towards the epoch stage 0 admitted it to
-
-
 async def test_a_listed_stage_peers_word_alone_ends_no_epoch_and_stage_zeros_admission_of_a_later_one_does():
     """A stage-1 peer that says the epoch is over (the global batch counted, end_epoch; a report of a later epoch; of
     one far ahead) moves nobody while nothing proves it: its Progress is authentic and the DHT lists it, but only

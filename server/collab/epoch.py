@@ -750,19 +750,15 @@ class StageCollaboration:
             await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
 
     def _skip_if_empty(self, epoch: int, n_peers: int, skip_to: int | None = None) -> bool:
-        """Compute thread, as `epoch` ends: if nobody has samples towards it (we have none, and no live peer of the
-        stage reported any), end it without a round or a step, and the empty ones stage 0 has already finished too
-        (`skip_to`). A round would average zero weights (0/0) and step on nothing: a momentum and weight-decay step
-        no single process takes. Peers report their counts before they reply to a trainer, so every peer of the stage
-        decides alike; one whose count we had not heard yet steps alone after its failed round, and we copy it.
-        Not with a tied weight and peers: its round spans the other stage, whose peers may have samples."""
-        if self.worker.samples_accumulated + self.worker.samples_late > 0:
+        """Compute thread, as `epoch` ends: alone with no samples towards it (our peers' counts died with them, or stage
+        0 moved on without us), end it without a step, and the empty ones stage 0 has already finished too
+        (`skip_to`). With peers the round still runs, even if nobody has samples: a peer that skipped while a peer
+        whose count it had not heard yet ran the round put the stage on two parameter versions (CI: a stage-2 peer
+        served global batch 1 at version 0). A delayed peer alone used to step on zero gradients here."""
+        if n_peers > 1 or self.worker.samples_accumulated + self.worker.samples_late > 0:
             return False
-        if n_peers > 1 and (self.worker.tied is not None or any(self.peers.counts_of(epoch).values())):
-            return False
-        # alone, our peers' counts died with them, or stage 0 moved on without us
         self.worker.skip_to(max(epoch + 1, skip_to or 0))
-        self._averaged = epoch  # a peer that waits for us in a round of it stops (`StagePeers.round_over`)
+        self._averaged = epoch
         return True
 
     def _average(
