@@ -98,7 +98,7 @@ class ComputeConfig:
         default=-1,
         metadata={
             "help": "a Forward is computed this many samples at a time (the same output with less working memory: "
-            "at batch 128 on CPU a stage's forward peaked 148 MB above rest whole, 42 MB in pieces of 16); -1: 16 "
+            "in bench_flood one Forward at batch 128 peaked 193 MB above rest whole, 37 MB in pieces of 16); -1: 16 "
             "on CPU, whole on CUDA (a GPU wants large batches); 0: whole"
         },
     )

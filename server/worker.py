@@ -138,9 +138,8 @@ class ComputeThread:
         self._thread.join()
 
 
-FORWARD_CHUNK_CPU = (
-    16  # samples per piece of a Forward on CPU (--forward-chunk-samples -1): as fast as whole, or faster
-)
+# samples per piece of a Forward on CPU (--forward-chunk-samples -1)
+FORWARD_CHUNK_CPU = 16
 
 
 class StageWorker:
@@ -229,14 +228,11 @@ class StageWorker:
         with self._timed("forward", n):
             if not 0 < chunk < n:
                 return stage_forward(self.stage, inputs)
-            out: torch.Tensor | None = None
-            for start in range(0, n, chunk):
-                piece = stage_forward(self.stage, inputs[start : start + chunk])
-                if out is None:
-                    out = piece.new_empty((n, *piece.shape[1:]))
-                out[start : start + piece.shape[0]] = piece
-                del piece
-            assert out is not None
+            first = stage_forward(self.stage, inputs[:chunk])
+            out = first.new_empty((n, *first.shape[1:]))
+            out[:chunk] = first
+            for start in range(chunk, n, chunk):
+                out[start : start + chunk] = stage_forward(self.stage, inputs[start : start + chunk])
             return out
 
     def backward(
