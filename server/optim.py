@@ -68,3 +68,77 @@ def build_schedule(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's moments in the optimizer state (AdamW's and our LAMB's names)
+REPLAY_RTOL = 1e-3  # of a replayed step: how far from a claimed state rounding may leave it (relative, per tensor)
+
+
+def _close(replayed: torch.Tensor, claimed: torch.Tensor, scale: float) -> bool:
+    """Whether `claimed` is `replayed` up to rounding: within REPLAY_RTOL of `scale` (the size of the change)."""
+    if claimed.shape != replayed.shape:
+        return False
+    gap = float((replayed.double() - claimed.double()).abs().max()) if claimed.numel() else 0.0
+    return gap <= REPLAY_RTOL * scale + 1e-12
+
+
+def replay_step(
+    name: str,
+    before: Sequence[torch.Tensor],
+    before_state: dict[int, dict],
+    groups: list[dict],
+    after: Sequence[torch.Tensor],
+    after_state: dict[int, dict],
+    skip: Iterable[int] = (),
+) -> tuple[str | None, list[torch.Tensor | None]]:
+    """Pure. Whether `after` (parameters, and optimizer state by parameter index) is one step of optimizer `name`
+    (with `groups`' hyperparameters and learning rate) from `before` on some gradient, and that gradient.
+
+    Both optimizers keep m' = beta1 m + (1 - beta1) g, so the first moment a step left behind names the gradient it
+    stepped on: g = (m' - beta1 m) / (1 - beta1). That gradient, stepped here by an optimizer of our own on copies of
+    `before`, must give `after`'s parameters and moments within rounding (REPLAY_RTOL of each tensor's change), and
+    the step count must be one more. A parameter without a first moment in `after` did not step: it must not have
+    changed. Returns (why not, None if it is one step; the implied gradients, None for parameters that did not
+    step). Parameters in `skip` (a tied weight, whose state its own round replaces before the step) are neither
+    checked nor stepped. Inputs are not changed."""
+    skipped = set(skip)
+    copies = [p.detach().clone() for p in before]
+    optimizer = build_optimizer(name, copies, lr=float(groups[0]["lr"]), weight_decay=0.0)
+    own = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in before_state.items()
+    }
+    optimizer.load_state_dict({"state": own, "param_groups": groups})
+    grads: list[torch.Tensor | None] = [None] * len(copies)
+    for i, p in enumerate(copies):
+        if i in skipped:
+            continue
+        claimed = after_state.get(i, {})
+        if MOMENTS[0] not in claimed:
+            if not torch.equal(after[i], before[i]):
+                return f"parameter {i} changed without a step", grads
+            continue
+        beta1 = float(optimizer.param_groups[0]["betas"][0])
+        m = own.get(i, {}).get(MOMENTS[0])
+        m = torch.zeros_like(p) if m is None else m.to(p.dtype)
+        if claimed[MOMENTS[0]].shape != p.shape:
+            return f"parameter {i}'s first moment has shape {tuple(claimed[MOMENTS[0]].shape)}", grads
+        grads[i] = p.grad = (claimed[MOMENTS[0]].to(p.dtype) - beta1 * m) / (1 - beta1)
+    if all(g is None for g in grads):
+        return "no parameter stepped", grads
+    with torch.no_grad():
+        optimizer.step()
+    for i, p in enumerate(copies):
+        if grads[i] is None:
+            continue
+        mine, claimed = optimizer.state[p], after_state[i]
+        if float(claimed.get("step", -1)) != float(mine["step"]):
+            return (
+                f"parameter {i} claims step {claimed.get('step')} where one step gives {float(mine['step']):g}",
+                grads,
+            )
+        for key in MOMENTS:
+            if key not in claimed or not _close(mine[key], claimed[key], float(mine[key].abs().max())):
+                return f"parameter {i}'s {key} is not what one step on its implied gradient gives", grads
+        if not _close(p, after[i], float((p - before[i]).abs().max())):
+            return f"parameter {i} is not where one step on its implied gradient takes it", grads
+    return None, grads

@@ -31,14 +31,13 @@ import torch
 
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
-from server.optim import build_optimizer, build_schedule
+from server.optim import MOMENTS, build_optimizer, build_schedule, replay_step
 from swarm.devices import synchronize
 from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
 
 logger = logging.getLogger(__name__)
-MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's moments in the optimizer state (AdamW's and our LAMB's names)
 INITIAL_LINEAGE = "init"
 _LINEAGE = re.compile(r"init|[0-9a-f]{16}")
 
@@ -576,6 +575,23 @@ class StageWorker:
         nothing. `with_state`: loads what is shared with the state (the downloaded state's low-rank factors) in the
         same change, once the state is checked and loaded, so that no reader sees the new parameters with the old
         factors (nor the new factors beside our parameters if the state is refused)."""
+        params, state = self._parsed(meta, tensors)
+        with self.changing_state(), torch.no_grad():
+            self._stash.clear()  # versions of another history: a backward that names one is recomputed as of now
+            for p, t in zip(self.params, params, strict=True):
+                p.copy_(t)
+            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+            self.schedule.load_state_dict(meta["schedule"])
+            self.param_version = int(meta["param_version"])
+            self.epoch = int(meta.get("epoch", self.param_version))
+            lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
+            self.lineage = lineage if valid_lineage(lineage) else secrets.token_hex(8)
+            if with_state is not None:
+                with_state()
+
+    def _parsed(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, dict]]:
+        """A downloaded state (`state_tensors`' form) as (parameters, optimizer state by parameter index); raises
+        ValueError unless it fits this stage, holds our optimizer settings and is finite."""
         n = meta["n_params"]
         if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
             raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
@@ -591,18 +607,44 @@ class StageWorker:
         for name, value in meta["scalars"].items():
             idx, key = name.split("/", 1)
             state.setdefault(int(idx), {})[key] = value
-        with self.changing_state(), torch.no_grad():
-            self._stash.clear()  # versions of another history: a backward that names one is recomputed as of now
-            for p, t in zip(self.params, tensors[:n], strict=False):
-                p.copy_(t)
-            self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-            self.schedule.load_state_dict(meta["schedule"])
-            self.param_version = int(meta["param_version"])
-            self.epoch = int(meta.get("epoch", self.param_version))
-            lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
-            self.lineage = lineage if valid_lineage(lineage) else secrets.token_hex(8)
-            if with_state is not None:
-                with_state()
+        return tensors[:n], state
+
+    def not_one_step_from_ours(self, meta: dict, tensors: list[torch.Tensor]) -> str | None:
+        """Compute thread. Why a downloaded state (`state_tensors`' form) is not our state after one optimizer step on
+        a gradient an honest peer could have stepped on, or None if it is. After a failed round the peer that steps
+        alone and the peers that copy it held one state: the copy then takes the stepper's word for a gradient, not
+        for a whole state. The gradient its first moments imply is replayed with our optimizer (`replay_step`) and
+        must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
+        limit. The tied weight is not checked (its round replaces its state before the step). Raises ValueError as
+        `load_state` does for a state that does not fit."""
+        params, state = self._parsed(meta, tensors)
+        if int(meta["param_version"]) != self.param_version + 1:
+            return f"it is at version {meta['param_version']}, not one step from our {self.param_version}"
+        skip = () if self.tied_index is None else (self.tied_index,)
+        with self.state_lock:
+            before = [p.detach().cpu() for p in self.params]
+            opt = self.optimizer.state_dict()
+            why, grads = replay_step(
+                self.optim_cfg.optimizer,
+                before,
+                {
+                    i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                    for i, s in opt["state"].items()
+                },
+                opt["param_groups"],
+                [t.cpu() for t in params],
+                {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in state.items()},
+                skip,
+            )
+        if why is not None:
+            return why
+        rest = [g for i, g in enumerate(grads) if i != self.tied_index]
+        norm, clip, limit = total_norm(rest), self.optim_cfg.clip_grad_norm, self.guard.limit()
+        if clip > 0 and norm > clip * (1 + 1e-3):
+            return f"it stepped on a gradient of norm {norm:.3g}, above --clip-grad-norm {clip:g}"
+        if norm > limit:
+            return f"it stepped on a gradient of norm {norm:.3g}, above the gradient guard's limit {limit:.3g}"
+        return None
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""

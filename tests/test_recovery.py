@@ -18,6 +18,7 @@ from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
+from server.optim import build_optimizer, replay_step
 from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
@@ -36,6 +37,7 @@ class Peers:
         self.counts, self.epoch = counts, epoch
         self.peers = {p: f"127.0.0.1:{7000 + i}" for i, p in enumerate(counts)}
         self.p2p_ids = {p: "" for p in counts}
+        self.refused: set[str] = set()
 
     def counts_of(self, epoch: int) -> dict[str, int]:  # live peers only, as StagePeers
         return {p: n for p, n in self.counts.items() if p in self.peers}
@@ -506,3 +508,123 @@ async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():
     answers = [t for t in told if t is not None]
     assert vouched(7, "e", answers)  # a state against two others, one peer each: not refused
     assert not vouched(7, "e", [*answers, (7, "z" * 100_000)])  # against two that agree on another: refused
+
+
+def twin_workers(optimizer: str = "adamw") -> tuple[StageWorker, StageWorker]:
+    """Two peers of stage 1 holding one state after three steps together (epoch 3, with optimizer moments)."""
+    ours, reference = (
+        StageWorker(Stage(tiny_test(), 1), OptimizerConfig(optimizer=optimizer), ComputeConfig(), torch.device("cpu"))
+        for _ in range(2)
+    )
+    torch.manual_seed(0)
+    for _ in range(3):
+        grads = [0.01 * torch.randn_like(p) for p in ours.params]
+        for worker in (ours, reference):
+            worker.apply_gradients(grads, end_epoch=True)
+    reference.load_state(*ours.state_tensors())
+    return ours, reference
+
+
+def liar(reference: StageWorker, how: str) -> None:
+    """What the reference does instead of one step on its own gradients."""
+    grads = [0.01 * torch.randn_like(p) for p in reference.params]
+    if how == "huge gradient":  # one honest step on a gradient no step can hold (norm 1000 x --clip-grad-norm)
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        grads = [g * (1000 / total) for g in grads]
+        with reference.changing_state():  # as a peer without clipping would
+            for p, g in zip(reference.params, grads, strict=True):
+                p.grad = g
+            reference.optimizer.step()
+            reference.param_version += 1
+            reference.epoch += 1
+        return
+    reference.apply_gradients(grads, end_epoch=True)
+    with reference.changing_state(), torch.no_grad():
+        if how == "nudged parameters":  # the step, plus a small push of its own
+            reference.params[0].add_(1e-4)
+        elif how == "second moments":  # moments that no gradient gives with the first ones
+            reference.optimizer.state[reference.params[0]]["exp_avg_sq"].mul_(2)
+        elif how == "step count":  # a count the moments do not go with
+            reference.optimizer.state[reference.params[0]]["step"] += 1
+
+
+def copier(ours: StageWorker, reference: StageWorker) -> tuple[Recovery, Peers]:
+    """We (b, 4 samples) copy a (8 samples) after our failed round; a already reports the next epoch."""
+    peers = Peers("b", {"a": 8}, epoch=ours.epoch + 1)
+    averager = SimpleNamespace(
+        allow_state_sharing=True,
+        lowrank=None,
+        split_state=lambda meta, tensors: (tensors, []),
+        download_state=lambda *a, **k: reference.state_tensors(),
+    )
+    return Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_after_a_failed_round_the_reference_is_copied_when_its_state_is_ours_one_step_on(optimizer):
+    ours, reference = twin_workers(optimizer)
+    try:
+        reference.apply_gradients([0.01 * torch.randn_like(p) for p in reference.params], end_epoch=True)
+        recovery, peers = copier(ours, reference)
+        ours.take_gradients()
+        assert recovery.after_failed_round([torch.zeros_like(p) for p in ours.params], 4) is None  # copied
+        assert ours.digest() == reference.digest() and not peers.refused
+    finally:
+        ours.shutdown(), reference.shutdown()
+
+
+@pytest.mark.parametrize("how", ["nudged parameters", "second moments", "step count", "huge gradient"])
+def test_a_reference_whose_state_is_not_one_honest_step_from_ours_is_refused_and_we_step_alone(how):
+    """A listed peer that claims the most samples becomes the reference after a failed round, and every other peer
+    used to load whatever state it then sent (finite, our optimizer settings). Now the copy replays the step the
+    state's first moments imply on our own state (we held the same one): parameters moved beyond that step, moments
+    no gradient gives, a step count one step does not give, or a gradient above --clip-grad-norm are refused; it is
+    no reference of ours any more, and we (the only peer left) step alone on our own gradients."""
+    ours, reference = twin_workers()
+    try:
+        liar(reference, how)
+        recovery, peers = copier(ours, reference)
+        before = ours.digest()
+        grads = [torch.zeros_like(p) for p in ours.params]
+        assert recovery.after_failed_round(grads, 4) is grads
+        assert peers.refused == {"a"} and ours.digest() == before
+    finally:
+        ours.shutdown(), reference.shutdown()
+
+
+def test_a_reference_that_stepped_again_since_is_not_taken_on_its_word_and_the_epoch_stays_open():
+    """An honest reference may be a step further by the time we ask (it ended the next epoch too): its state cannot
+    be checked against ours, nor is it refused; the epoch stays open with our samples, and catching up (vouched for
+    by the stage's other peers) brings us its state later."""
+    ours, reference = twin_workers()
+    try:
+        for _ in range(2):
+            reference.apply_gradients([0.01 * torch.randn_like(p) for p in reference.params], end_epoch=True)
+        recovery, peers = copier(ours, reference)
+        before = ours.digest()
+        ours.take_gradients()
+        assert recovery.after_failed_round([torch.zeros_like(p) for p in ours.params], 4) is None
+        assert not peers.refused and ours.digest() == before and ours.samples_accumulated == 4
+    finally:
+        ours.shutdown(), reference.shutdown()
+
+
+def test_replaying_a_step_finds_the_gradient_it_took_and_leaves_its_inputs_alone():
+    torch.manual_seed(1)
+    params = [torch.randn(6, 4, requires_grad=True), torch.randn(4, requires_grad=True), torch.randn(2)]
+    optimizer = build_optimizer("adamw", params, lr=1e-3, weight_decay=0.01)
+    before = [p.detach().clone() for p in params]
+    grads = [torch.randn_like(params[0]), torch.randn_like(params[1])]
+    for p, g in zip(params, grads, strict=False):
+        p.grad = g
+    optimizer.step()  # a first step: no moments before it
+    after = [p.detach().clone() for p in params]
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}
+    groups = optimizer.state_dict()["param_groups"]
+    why, implied = replay_step("adamw", before, {}, groups, after, state)
+    assert why is None and implied[2] is None
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(implied[:2], grads, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(after, [p.detach() for p in params], strict=True))
+    moved = [t.clone() for t in after]
+    moved[2] += 1  # a parameter that did not step, changed
+    assert replay_step("adamw", before, {}, groups, moved, state)[0] == "parameter 2 changed without a step"

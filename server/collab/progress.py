@@ -38,6 +38,9 @@ class StagePeers:
         self.recovering: set[str] = set()  # peers whose latest progress says they are copying the stage's state
         self.lineages: dict[str, tuple[int, str]] = {}  # their parameters' lineage: peer id -> (epoch, lineage)
         self.averaged: dict[str, int] = {}  # the last epoch whose stage round ended for them: peer id -> epoch
+        # peers whose state we refused to copy (it was not one honest step from ours: recovery.py): never again a
+        # state we copy, nor the lineage we adopt
+        self.refused: set[str] = set()
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
@@ -394,7 +397,11 @@ class StagePeers:
         that is us or it holds our lineage. Every peer names the same reference. `moved_on`: peers that already report
         the next epoch count too (delayed steps: a peer reports it as soon as it takes its gradients)."""
         epochs = (epoch, epoch + 1) if moved_on else (epoch,)
-        same = {p: line for p, (e, line) in dict(self.lineages).items() if e in epochs and p in self.peers}
+        same = {
+            p: line
+            for p, (e, line) in dict(self.lineages).items()
+            if e in epochs and p in self.peers and p not in self.refused
+        }
         reference = min([self.sdht.peer_id, *same])
         if reference == self.sdht.peer_id or same[reference] == lineage:
             return None

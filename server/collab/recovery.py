@@ -33,6 +33,16 @@ JOIN_READS = 3  # DHT reads a joining peer tries before it gives up: a peer that
 VOUCHERS = 4  # other peers of the stage asked whether they hold a state downloaded from one of them, at most
 
 
+class NotOneStep(Exception):
+    """A state downloaded from the peer that stepped alone after a failed round is not our state after one step on
+    an honest gradient (`StageWorker.not_one_step_from_ours`). `moved_on`: it is further ahead, so it cannot be
+    checked against ours: not a lie, but not taken on the stepper's word either."""
+
+    def __init__(self, why: str, moved_on: bool):
+        super().__init__(why)
+        self.moved_on = moved_on
+
+
 class Unvouched(ValueError):
     """A downloaded state that more of the stage's other peers at its epoch contradict than confirm."""
 
@@ -115,7 +125,7 @@ class Recovery:
                 await asyncio.sleep(1.0)
                 await self._read_peers()
             attempt += 1
-            for peer_id in sorted(self.peers.peers):
+            for peer_id in sorted(p for p in self.peers.peers if p not in self.peers.refused):
                 logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
                 if await self.download(peer_id, attempts=1):
                     return True
@@ -235,7 +245,9 @@ class Recovery:
         One peer steps alone and the others copy it, so the stage stays one model. The reference is a peer that has
         finished the epoch (smallest peer id), else the live peer with the most samples behind its gradients (ties:
         the smallest peer id); every peer names the same one, because peers report their counts before they reply
-        to a trainer, hence before the epoch can end. The reference steps alone on its own gradients; the others
+        to a trainer, hence before the epoch can end. The copy takes the reference's word for a gradient only: its
+        state must be ours after one step (`NotOneStep`); a reference that lies is refused, by every honest peer
+        alike, and the reference chosen again without it. The reference steps alone on its own gradients; the others
         wait for it to step and copy its state. A reference that stops answering (dead, frozen: the stage drops it)
         is passed over and the reference chosen again among the live peers, so a frozen peer never holds the stage;
         once it comes back it is behind, and copies the stage's state before it serves again. If the reference does
@@ -264,8 +276,21 @@ class Recovery:
                         reference[-6:],
                         why,
                     )
-                    if self._copy_once_stepped(reference, epoch, deadline):
-                        return None
+                    try:
+                        if self._copy_once_stepped(reference, epoch, deadline, checked=True):
+                            return None
+                    except NotOneStep as e:
+                        if e.moved_on:  # catching up later copies the stage's state, vouched for by its peers
+                            logger.info("stage %d epoch %d: %s (%s)", self.stage, epoch, e, reference[-6:])
+                            break
+                        logger.warning(
+                            "stage %d epoch %d: refusing the state of %s: %s; it is no reference of ours any more",
+                            self.stage,
+                            epoch,
+                            reference[-6:],
+                            e,
+                        )
+                        self.peers.refused.add(reference)
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         logger.warning(
@@ -311,17 +336,21 @@ class Recovery:
     def _reference(self, epoch: int, me: str, n_samples: int) -> tuple[str | None, str]:
         """The peer that steps alone after a failed round of `epoch`, among the live ones, and why; None if nobody
         has samples."""
-        counts = self.peers.counts_of(epoch)
+        refused = self.peers.refused
+        counts = {p: n for p, n in self.peers.counts_of(epoch).items() if p not in refused}
         counts[me] = n_samples
-        ahead = [p for p in self.peers.ahead_of(epoch) if p in self.peers.peers]
+        ahead = [p for p in self.peers.ahead_of(epoch) if p in self.peers.peers and p not in refused]
         if ahead:
             return ahead[0], "finished the epoch"
         reference = min(counts, key=lambda p: (-counts[p], p))
         return (reference, f"{counts[reference]} samples") if counts[reference] > 0 else (None, "")
 
-    def _copy_once_stepped(self, reference: str, epoch: int, deadline: float, keep_gradients: bool = False) -> bool:
+    def _copy_once_stepped(
+        self, reference: str, epoch: int, deadline: float, keep_gradients: bool = False, checked: bool = False
+    ) -> bool:
         """Compute thread: wait for `reference` to step past `epoch` and load its state (True); False once it is
-        no longer a live peer of the stage, or at `deadline`."""
+        no longer a live peer of the stage, or at `deadline`. `checked`: we hold the state it stepped from (a failed
+        round of `epoch`, not stepped): raises NotOneStep unless its state is ours after one honest step."""
         probed = time.monotonic()
         while time.monotonic() < deadline and reference in self.peers.peers:
             if time.monotonic() - probed > PROBE_S:  # nobody else may be calling it meanwhile: is it frozen?
@@ -337,12 +366,23 @@ class Recovery:
                 alive=lambda: reference in self.peers.peers,
             )
             if loaded is not None and int(loaded[0].get("epoch", -1)) > epoch:
+                if checked:
+                    self._check_one_step(*loaded)
                 self.load(*loaded, keep_gradients=keep_gradients)
                 return True
             time.sleep(0.2)  # it reported the next epoch but sent no state (yet): ask again
         if reference not in self.peers.peers:
             logger.warning("stage %d epoch %d: %s stopped answering; choosing again", self.stage, epoch, reference[-6:])
         return False
+
+    def _check_one_step(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Compute thread: raises NotOneStep unless a downloaded state is ours after one honest step."""
+        worker_tensors, _ = self.averager.split_state(meta, tensors)  # the low-rank factors are not checked
+        if int(meta.get("param_version", -1)) > self.worker.param_version + 1:
+            raise NotOneStep("it has stepped again since: catching up instead", moved_on=True)
+        why = self.worker.not_one_step_from_ours(meta, worker_tensors)
+        if why is not None:
+            raise NotOneStep(why, moved_on=False)
 
     def _probe(self, peer_id: str) -> None:
         """Compute thread: asks `peer_id` whether it answers (the stage drops it if not); waits at most the peer
