@@ -144,9 +144,15 @@ async def test_a_private_server_over_libp2p_refuses_calls_without_the_key(pair, 
     assert "refused Forward over libp2p" in refusals[0] and key._secret.hex() not in refusals[0], refusals
 
 
+def start_trainer(swarm: LocalSwarm):
+    """trainer-0, started while the servers still start (it waits for them): its start overlaps theirs."""
+    return swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
+
+
 def trains_through(swarm: LocalSwarm, server, microbatches: int = 16):
-    """Starts trainer-0 and waits for `microbatches` through `server` (stage 1's only server); returns the trainer."""
-    trainer = swarm.start_trainer("trainer-0", ["--max-steps", "5000", "--batch-size", "2"])
+    """Waits for `microbatches` of trainer-0 (`start_trainer`) through `server` (stage 1's only server); returns the
+    trainer."""
+    trainer = swarm.children["trainer-0"]
     wait_for(
         lambda: (swarm.trainer_stats() or [{"steps": 0}])[0]["steps"] >= microbatches,
         180,
@@ -189,6 +195,7 @@ def test_a_server_the_swarm_cannot_dial_serves_over_libp2p(tmp_path):
         swarm.start_dht()
         swarm.start_server("server-s0", 0, flags)
         natted = swarm.start_server("server-s1-natted", 1, [*flags, "--announce-host", "192.0.2.1"])
+        start_trainer(swarm)
         wait_for(lambda: "serving over libp2p instead" in natted.log_path.read_text(), 90, "the NAT'd server to notice")
         trainer = trains_through(swarm, natted)
         joins_and_averages(swarm, natted, swarm.start_server("server-s1-direct", 1, flags))
@@ -225,6 +232,7 @@ def test_a_server_behind_a_masquerading_router_serves_through_the_bootstrap_node
             wait_for(lambda: "serving at" in s0.log_path.read_text(), 90, "stage 0's server")
             time.sleep(3)  # its record announced: --stage auto then sees stage 1 empty
             home = swarm.start_server("server-s1-home", "auto", [*flags, "--host", "0.0.0.0"])  # the volunteer's
+            start_trainer(swarm)
             wait_for(lambda: "serving over libp2p instead" in home.log_path.read_text(), 90, "the home server's check")
             log = home.log_path.read_text()
             assert f"announcing {netns.ROUTER_WAN}: the address the swarm's peers see us at" in log, log
@@ -250,6 +258,7 @@ def test_a_server_with_no_inbound_connection_serves_through_the_relay(tmp_path):
         swarm.start_dht(["--public"])
         swarm.start_server("server-s0", 0, flags)
         natted = swarm.start_server("server-s1", 1, [*flags, "--announce-host", "192.0.2.1", "--dht-no-listen"])
+        start_trainer(swarm)
         wait_for(lambda: "callers reach us through a relay only" in natted.log_path.read_text(), 90, "its log to say")
         trains_through(swarm, natted)
         assert "carries 1 MiB each way on one connection" in natted.log_path.read_text()  # its relay's check
