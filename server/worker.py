@@ -417,13 +417,11 @@ class StageWorker:
                 self.epoch += 1
             self._served_taken, self._taken_epoch = [], None  # that epoch's round is over
 
-    def end_round_unstepped(self, end_epoch: bool = False, load: dict[int, list[torch.Tensor]] | None = None) -> None:
+    def end_round_unstepped(self, end_epoch: bool = False) -> None:
         """Compute thread only. The round of the gradients last taken is over and steps nothing (nobody in it had
-        samples): `apply_gradients` without the step (`load` still taken). No optimizer step on zero gradients: its
-        momentum and weight decay would move the parameters as no single process training on the same samples does."""
+        samples): `apply_gradients` without the step. No optimizer step on zero gradients: its momentum and weight
+        decay would move the parameters as no single process training on the same samples does."""
         with self.changing_state():
-            for i, state in (load or {}).items():
-                self._load_slots(self.params[i], state)
             if end_epoch:
                 self.epoch += 1
             self._served_taken, self._taken_epoch = [], None
@@ -626,10 +624,11 @@ class StageWorker:
         alone and the peers that copy it held one state: the copy then takes the stepper's word for a gradient, not
         for a whole state. The gradient its first moments imply is replayed with our optimizer (`replay_step`) and
         must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
-        limit. The tied weight is not checked (its round replaces its state before the step), nor the version (the
-        caller's). Raises ValueError as `load_state` does for a state that does not fit, and may raise others for a
-        malformed one."""
+        limit. The tied weight is not checked (its round replaces its state before the step). Raises ValueError as
+        `load_state` does for a state that does not fit."""
         params, state = self._parsed(meta, tensors)
+        if int(meta["param_version"]) != self.param_version + 1:
+            return f"it is at version {meta['param_version']}, not one step from our {self.param_version}"
         skip = () if self.tied_index is None else (self.tied_index,)
         with self.state_lock:
             before = [p.detach().cpu() for p in self.params]

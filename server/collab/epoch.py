@@ -64,16 +64,13 @@ def _with_tied(
     grads: list[torch.Tensor | None] = [None] * len(averaged) if empty else list(averaged)
     if tied is None:
         return grads, {}
-    merged = tied.into(grads)
-    if empty and tied.grad is not None and not bool(tied.grad.any()):  # nobody on either stage had samples
-        merged[tied.index] = None
-    return merged, tied.load
+    return tied.into(grads), tied.load
 
 
-def _steps(grads: list[torch.Tensor | None]) -> bool:
-    """Whether `_with_tied`'s gradients step anything: an optimizer step on no gradient at all would still move the
+def _steps(grads: list[torch.Tensor | None], load: dict) -> bool:
+    """Whether `_with_tied`'s answer steps anything: an optimizer step on no gradient at all would still move the
     schedule and the version (and AdamW's weight decay needs a gradient, so nothing else would change)."""
-    return any(g is not None for g in grads)
+    return bool(load) or any(g is not None for g in grads)
 
 
 class ProgressRefused(Exception):
@@ -837,8 +834,8 @@ class StageCollaboration:
         """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
         stepped too, so our parameters now have a history of their own. `empty`: see `_average`."""
         merged, load = _with_tied(averaged, tied, empty)
-        if not _steps(merged):
-            self.worker.end_round_unstepped(load=load)
+        if not _steps(merged, load):
+            self.worker.end_round_unstepped()
             return
         self.worker.apply_gradients(merged, load=load)
         if alone:
@@ -860,10 +857,10 @@ class StageCollaboration:
             averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
         if averaged is not None:
             merged, load = _with_tied(averaged, tied, empty)
-            if _steps(merged):
+            if _steps(merged, load):
                 self.worker.apply_gradients(merged, end_epoch=True, load=load)
             else:
-                self.worker.end_round_unstepped(end_epoch=True, load=load)
+                self.worker.end_round_unstepped(end_epoch=True)
             if n_peers <= 1 and n > 0:
                 self.worker.branch()  # peers we did not know of may have stepped too, alone or together
         if self.epoch == epoch or self.phase is Phase.STOPPED:  # stopping: no state to copy, no parameters to average
@@ -883,8 +880,7 @@ class StageCollaboration:
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
-        refused = self.peers.distrusted(self.epoch)
-        epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in refused}
+        epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in self.peers.refused}
         # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
         averaged = self.peers.averaged_since(self._diverged_at)
         source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)
