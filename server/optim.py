@@ -82,6 +82,17 @@ def _close(replayed: torch.Tensor, claimed: torch.Tensor, scale: float) -> bool:
     return gap <= REPLAY_RTOL * scale + 1e-12
 
 
+def _same_state(a: dict, b: dict) -> bool:
+    """Whether two parameters' optimizer states hold the same keys and values."""
+    if set(a) != set(b):
+        return False
+    for key in a:
+        x, y = torch.as_tensor(a[key]), torch.as_tensor(b[key])
+        if x.shape != y.shape or not torch.equal(x.double(), y.double()):
+            return False
+    return True
+
+
 def replay_step(
     name: str,
     before: Sequence[torch.Tensor],
@@ -97,10 +108,10 @@ def replay_step(
     Both optimizers keep m' = beta1 m + (1 - beta1) g, so the first moment a step left behind names the gradient it
     stepped on: g = (m' - beta1 m) / (1 - beta1). That gradient, stepped here by an optimizer of our own on copies of
     `before`, must give `after`'s parameters and moments within rounding (REPLAY_RTOL of each tensor's change), and
-    the step count must be one more. A parameter without a first moment in `after` did not step: it must not have
-    changed. Returns (why not, None if it is one step; the implied gradients, None for parameters that did not
-    step). Parameters in `skip` (a tied weight, whose state its own round replaces before the step) are neither
-    checked nor stepped. Inputs are not changed."""
+    the step count must be one more. A parameter whose step count did not move did not step: it and its state must
+    not have changed. Returns (why not, None if it is one step; the implied gradients, None for parameters that
+    did not step). Parameters in `skip` (a tied weight, whose state its own round replaces before the step) are
+    neither checked nor stepped. Inputs are not changed; a malformed state may raise."""
     skipped = set(skip)
     copies = [p.detach().clone() for p in before]
     optimizer = build_optimizer(name, copies, lr=float(groups[0]["lr"]), weight_decay=0.0)
@@ -108,21 +119,22 @@ def replay_step(
         i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in before_state.items()
     }
     optimizer.load_state_dict({"state": own, "param_groups": groups})
+    beta1 = float(optimizer.param_groups[0]["betas"][0])
     grads: list[torch.Tensor | None] = [None] * len(copies)
     for i, p in enumerate(copies):
         if i in skipped:
             continue
-        claimed = after_state.get(i, {})
-        if MOMENTS[0] not in claimed:
-            if not torch.equal(after[i], before[i]):
-                return f"parameter {i} changed without a step", grads
+        claimed, held = after_state.get(i, {}), own.get(i, {})
+        if float(claimed.get("step", 0)) == float(held.get("step", 0)):  # this parameter did not step
+            if not torch.equal(after[i], before[i]) or not _same_state(claimed, held):
+                return f"parameter {i} or its optimizer state changed without a step", grads
             continue
-        beta1 = float(optimizer.param_groups[0]["betas"][0])
-        m = own.get(i, {}).get(MOMENTS[0])
+        first = claimed.get(MOMENTS[0])
+        if not isinstance(first, torch.Tensor) or first.shape != p.shape:
+            return f"parameter {i} stepped without a first moment of its shape", grads
+        m = held.get(MOMENTS[0])
         m = torch.zeros_like(p) if m is None else m.to(p.dtype)
-        if claimed[MOMENTS[0]].shape != p.shape:
-            return f"parameter {i}'s first moment has shape {tuple(claimed[MOMENTS[0]].shape)}", grads
-        grads[i] = p.grad = (claimed[MOMENTS[0]].to(p.dtype) - beta1 * m) / (1 - beta1)
+        grads[i] = p.grad = (first.to(p.dtype) - beta1 * m) / (1 - beta1)
     if all(g is None for g in grads):
         return "no parameter stepped", grads
     with torch.no_grad():

@@ -141,6 +141,11 @@ class ComputeThread:
 FORWARD_CHUNK_CPU = 16
 
 
+def _on_cpu(state: dict[int, dict]) -> dict[int, dict]:
+    """An optimizer state by parameter index, its tensors on the CPU (a copy of those that were elsewhere)."""
+    return {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in state.items()}
+
+
 class StageWorker:
     def __init__(
         self,
@@ -615,25 +620,19 @@ class StageWorker:
         alone and the peers that copy it held one state: the copy then takes the stepper's word for a gradient, not
         for a whole state. The gradient its first moments imply is replayed with our optimizer (`replay_step`) and
         must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
-        limit. The tied weight is not checked (its round replaces its state before the step). Raises ValueError as
-        `load_state` does for a state that does not fit."""
+        limit. The tied weight is not checked (its round replaces its state before the step), nor the version (the
+        caller's). Raises ValueError as `load_state` does for a state that does not fit, others for a malformed one."""
         params, state = self._parsed(meta, tensors)
-        if int(meta["param_version"]) != self.param_version + 1:
-            return f"it is at version {meta['param_version']}, not one step from our {self.param_version}"
         skip = () if self.tied_index is None else (self.tied_index,)
         with self.state_lock:
-            before = [p.detach().cpu() for p in self.params]
             opt = self.optimizer.state_dict()
             why, grads = replay_step(
                 self.optim_cfg.optimizer,
-                before,
-                {
-                    i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                    for i, s in opt["state"].items()
-                },
+                [p.detach().cpu() for p in self.params],
+                _on_cpu(opt["state"]),
                 opt["param_groups"],
                 [t.cpu() for t in params],
-                {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in state.items()},
+                _on_cpu(state),
                 skip,
             )
         if why is not None:

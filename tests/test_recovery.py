@@ -546,6 +546,10 @@ def liar(reference: StageWorker, how: str) -> None:
             reference.optimizer.state[reference.params[0]]["exp_avg_sq"].mul_(2)
         elif how == "step count":  # a count the moments do not go with
             reference.optimizer.state[reference.params[0]]["step"] += 1
+        elif how == "no first moment":  # stepped, but shows no first moment to replay (its next step would fail)
+            del reference.optimizer.state[reference.params[0]]["exp_avg"]
+        elif how == "malformed":  # a step count of two values: the replay raises (it escaped the recovery before)
+            reference.optimizer.state[reference.params[0]]["step"] = torch.tensor([4.0, 4.0])
 
 
 def copier(ours: StageWorker, reference: StageWorker) -> tuple[Recovery, Peers]:
@@ -554,6 +558,7 @@ def copier(ours: StageWorker, reference: StageWorker) -> tuple[Recovery, Peers]:
     averager = SimpleNamespace(
         allow_state_sharing=True,
         lowrank=None,
+        exact_states=True,
         split_state=lambda meta, tensors: (tensors, []),
         download_state=lambda *a, **k: reference.state_tensors(),
     )
@@ -573,12 +578,15 @@ def test_after_a_failed_round_the_reference_is_copied_when_its_state_is_ours_one
         ours.shutdown(), reference.shutdown()
 
 
-@pytest.mark.parametrize("how", ["nudged parameters", "second moments", "step count", "huge gradient"])
+@pytest.mark.parametrize(
+    "how", ["nudged parameters", "second moments", "step count", "no first moment", "malformed", "huge gradient"]
+)
 def test_a_reference_whose_state_is_not_one_honest_step_from_ours_is_refused_and_we_step_alone(how):
     """A listed peer that claims the most samples becomes the reference after a failed round, and every other peer
     used to load whatever state it then sent (finite, our optimizer settings). Now the copy replays the step the
     state's first moments imply on our own state (we held the same one): parameters moved beyond that step, moments
-    no gradient gives, a step count one step does not give, or a gradient above --clip-grad-norm are refused; it is
+    no gradient gives, a step count one step does not give, a step without a first moment, a malformed state, or a
+    gradient above --clip-grad-norm are refused; it is
     no reference of ours any more, and we (the only peer left) step alone on our own gradients."""
     ours, reference = twin_workers()
     try:
@@ -592,19 +600,23 @@ def test_a_reference_whose_state_is_not_one_honest_step_from_ours_is_refused_and
         ours.shutdown(), reference.shutdown()
 
 
-def test_a_reference_that_stepped_again_since_is_not_taken_on_its_word_and_the_epoch_stays_open():
-    """An honest reference may be a step further by the time we ask (it ended the next epoch too): its state cannot
-    be checked against ours, nor is it refused; the epoch stays open with our samples, and catching up (vouched for
-    by the stage's other peers) brings us its state later."""
+@pytest.mark.parametrize("steps", [2, 0])
+def test_a_reference_at_another_version_is_copied_as_before_and_not_refused(steps):
+    """An honest reference may be a step further by the time we ask (it ended the next epoch too: half the copies in
+    a soak), or have ended the epoch without a step (its step skipped): its state cannot be replayed on ours. It is
+    loaded as before the replay existed: leaving the epoch open instead kept the peer serving the next global batch
+    at the old version (CI: a stage-1 microbatch of global batch 1 at version 0)."""
     ours, reference = twin_workers()
     try:
-        for _ in range(2):
+        for _ in range(steps):
             reference.apply_gradients([0.01 * torch.randn_like(p) for p in reference.params], end_epoch=True)
+        if not steps:
+            with reference.changing_state():
+                reference.epoch += 1
         recovery, peers = copier(ours, reference)
-        before = ours.digest()
         ours.take_gradients()
         assert recovery.after_failed_round([torch.zeros_like(p) for p in ours.params], 4) is None
-        assert not peers.refused and ours.digest() == before and ours.samples_accumulated == 4
+        assert not peers.refused and ours.digest() == reference.digest()
     finally:
         ours.shutdown(), reference.shutdown()
 
@@ -627,4 +639,6 @@ def test_replaying_a_step_finds_the_gradient_it_took_and_leaves_its_inputs_alone
     assert all(torch.equal(a, b) for a, b in zip(after, [p.detach() for p in params], strict=True))
     moved = [t.clone() for t in after]
     moved[2] += 1  # a parameter that did not step, changed
-    assert replay_step("adamw", before, {}, groups, moved, state)[0] == "parameter 2 changed without a step"
+    assert replay_step("adamw", before, {}, groups, moved, state)[0] == (
+        "parameter 2 or its optimizer state changed without a step"
+    )
