@@ -857,7 +857,8 @@ class StageCollaboration:
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
-        epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in self.peers.refused}
+        distrusted = self.peers.distrusted(self.epoch)
+        epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in distrusted}
         # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
         averaged = self.peers.averaged_since(self._diverged_at)
         source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)

@@ -26,6 +26,7 @@ from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
+REFUSED_EPOCHS = 20  # how long a peer whose state we refused is no source of ours (StagePeers.distrusted)
 UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
 
 
@@ -38,9 +39,8 @@ class StagePeers:
         self.recovering: set[str] = set()  # peers whose latest progress says they are copying the stage's state
         self.lineages: dict[str, tuple[int, str]] = {}  # their parameters' lineage: peer id -> (epoch, lineage)
         self.averaged: dict[str, int] = {}  # the last epoch whose stage round ended for them: peer id -> epoch
-        # peers whose state we refused to copy (it was not one honest step from ours: recovery.py): never again a
-        # state we copy, nor the lineage we adopt
-        self.refused: set[str] = set()
+        # peer id -> the latest epoch we refused to copy its state (not one honest step from ours: recovery.py)
+        self._refused: dict[str, int] = {}
         self._counts: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it reported for that epoch
         self._admitted: dict[int, dict[str, int]] = {}  # epoch -> peer id -> samples it admitted towards it
         self._first_epoch: dict[str, int] = {}  # peer id -> the epoch of its first message we received
@@ -391,16 +391,28 @@ class StagePeers:
             )
         ]
 
+    def refuse(self, peer_id: str, epoch: int) -> None:
+        """We refused to copy `peer_id`'s state in `epoch`: see `distrusted`."""
+        self._refused[peer_id] = max(epoch, self._refused.get(peer_id, epoch))
+
+    def distrusted(self, epoch: int) -> set[str]:
+        """Peers whose state we refused within REFUSED_EPOCHS epochs before `epoch`: no state we copy, catch up from
+        or adopt the lineage of. Not for ever: honest peers whose hardware rounds differently (a CPU peer and a GPU
+        peer) may refuse each other's copies; each then steps alone, and the lineage rule makes the stage one model
+        again once the refusal lapses. A liar refused again costs its stage one more copy every REFUSED_EPOCHS."""
+        return {p for p, e in dict(self._refused).items() if epoch - e < REFUSED_EPOCHS}
+
     def lineage_reference(self, epoch: int, lineage: str, moved_on: bool = False) -> str | None:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
         lineage (some stepped alone, not knowing of the others): the smallest peer id at `epoch`, us included, unless
         that is us or it holds our lineage. Every peer names the same reference. `moved_on`: peers that already report
         the next epoch count too (delayed steps: a peer reports it as soon as it takes its gradients)."""
         epochs = (epoch, epoch + 1) if moved_on else (epoch,)
+        distrusted = self.distrusted(epoch)
         same = {
             p: line
             for p, (e, line) in dict(self.lineages).items()
-            if e in epochs and p in self.peers and p not in self.refused
+            if e in epochs and p in self.peers and p not in distrusted
         }
         reference = min([self.sdht.peer_id, *same])
         if reference == self.sdht.peer_id or same[reference] == lineage:

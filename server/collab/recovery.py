@@ -120,7 +120,8 @@ class Recovery:
                 await asyncio.sleep(1.0)
                 await self._read_peers()
             attempt += 1
-            for peer_id in sorted(p for p in self.peers.peers if p not in self.peers.refused):
+            distrusted = self.peers.distrusted(self.worker.epoch)
+            for peer_id in sorted(p for p in self.peers.peers if p not in distrusted):
                 logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
                 if await self.download(peer_id, attempts=1):
                     return True
@@ -282,7 +283,7 @@ class Recovery:
                             reference[-6:],
                             e,
                         )
-                        self.peers.refused.add(reference)
+                        self.peers.refuse(reference, epoch)
         except UNUSABLE_STATE as e:
             logger.warning("copying the state of the stage's reference peer failed: %r", e)
         logger.warning(
@@ -328,7 +329,7 @@ class Recovery:
     def _reference(self, epoch: int, me: str, n_samples: int) -> tuple[str | None, str]:
         """The peer that steps alone after a failed round of `epoch`, among the live ones, and why; None if nobody
         has samples."""
-        refused = self.peers.refused
+        refused = self.peers.distrusted(epoch)
         counts = {p: n for p, n in self.peers.counts_of(epoch).items() if p not in refused}
         counts[me] = n_samples
         ahead = [p for p in self.peers.ahead_of(epoch) if p in self.peers.peers and p not in refused]
