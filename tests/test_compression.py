@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 
 from swarm.compression import CODECS, Blockwise8Codec, get_codec
 from swarm.protocol import wire_pb2 as pb
@@ -57,7 +58,7 @@ def test_blockwise8_cpu_encoder_writes_bitsandbytes_format(n):
     within the map's gap around it plus one grid step, per tensor within 1% of its RMS error."""
     import bitsandbytes.functional as bnbf
 
-    from swarm.compression.blockwise import GRID_HALF, _dynamic_map
+    from swarm.compression.blockwise import GRID_HALF, dynamic_map
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     x[:: max(n // 20, 1)] *= 50  # heavy tails: outliers set most blocks' scale
@@ -71,12 +72,87 @@ def test_blockwise8_cpu_encoder_writes_bitsandbytes_format(n):
     absmax = torch.frombuffer(bytearray(payload[n:]), dtype=torch.float32).repeat_interleave(4096)[:n]
     coarse = x.abs() > absmax * 1e-3  # where the grid is finer than the map, the nearest code is mostly the same
     assert (codes == ref_codes)[coarse].float().mean() > 0.95
-    code = _dynamic_map(torch.device("cpu"))
+    code = dynamic_map(torch.device("cpu"))
     y = bnbf.dequantize_blockwise(codes, absmax=absmax[::4096].contiguous(), code=code, blocksize=4096)
     y_ref = bnbf.dequantize_blockwise(ref_codes, absmax=absmax[::4096].contiguous(), code=code, blocksize=4096)
     widest_gap = (code[1:] - code[:-1]).max()
     assert ((y - x).abs() <= absmax * (widest_gap / 2 + 1 / GRID_HALF)).all()
     assert rel_rms(y, x) <= rel_rms(y_ref, x) * 1.01 + 1e-7
+
+
+def test_blockwise8_stored_map_and_cpu_decoder_are_bitsandbytes_own():
+    """The map stored in blockwise.py is bitsandbytes' `create_dynamic_map()`, and the torch CPU decoder gives
+    bitwise what bitsandbytes' CPU decoder gives, for every code, ragged last blocks and extreme scales."""
+    import bitsandbytes.functional as bnbf
+
+    from swarm.compression.blockwise import decode_cpu, dynamic_map
+
+    assert torch.equal(dynamic_map(torch.device("cpu")), bnbf.create_dynamic_map())
+    generator = torch.Generator().manual_seed(0)
+    for n, blocksize in ((1, 4096), (256, 64), (4096, 4096), (3 * 4096 + 5, 4096), (100_003, 256)):
+        codes = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+        absmax = (
+            torch.rand(-(-n // blocksize), generator=generator)
+            * torch.logspace(-30, 30, 7).repeat(n)[: -(-n // blocksize)]
+        )
+        theirs = bnbf.dequantize_blockwise(codes, absmax=absmax, code=bnbf.create_dynamic_map(), blocksize=blocksize)
+        assert torch.equal(decode_cpu(codes, absmax, blocksize), theirs), (n, blocksize)
+
+
+def test_bitsandbytes_is_not_imported_on_the_cpu():
+    """Importing bitsandbytes costs a process ~3.5 s of CPU: every CPU trainer and server paid it at start. The
+    8-bit codec, hivemind's 8-bit all-reduce format and state downloads run on the CPU without it."""
+    code = """
+import sys, torch
+import server.main, trainer.main
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from swarm.compression import get_codec
+from swarm.protocol.tensors import decode_tensor, encode_tensor
+x = torch.randn(10_000)
+y = decode_tensor(encode_tensor("inputs", x, get_codec("blockwise8")), torch.device("cpu"))
+z = deserialize_torch_tensor(serialize_torch_tensor(x, runtime_pb2.CompressionType.BLOCKWISE_8BIT))
+assert (y - x).abs().max() < 0.1 and (z - x).abs().max() < 0.1
+assert "bitsandbytes" not in sys.modules, "imported bitsandbytes"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_hivemind_8bit_parts_are_read_and_written_alike_by_torch_and_bitsandbytes():
+    """The all-reduce's 8-bit format, now encoded and decoded by torch on the CPU: hivemind's own (bitsandbytes)
+    reader reads ours bitwise alike, ours reads its; sizes are checked before anything is decoded."""
+    from hivemind.compression import BlockwiseQuantization, CompressionInfo
+
+    from server.collab.hivemind_compat import TorchBlockwiseQuantization
+
+    ours, theirs = TorchBlockwiseQuantization(), BlockwiseQuantization()
+    for shape in ((1,), (4096,), (3, 5000), (7, 1, 4097)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+        x.view(-1)[::97] *= 30
+        info = CompressionInfo.from_tensor(x)
+        mine, reference = ours.compress(x, info), theirs.compress(x, info)
+        assert len(mine.buffer) == len(reference.buffer) and mine.buffer[:16] == reference.buffer[:16]
+        assert torch.equal(ours.extract(mine), theirs.extract(mine))
+        assert torch.equal(ours.extract(reference), theirs.extract(reference))
+        assert (ours.extract(mine) - x).abs().max() <= x.abs().max() / 60
+    x = torch.randn(5000)
+    good = ours.compress(x, CompressionInfo.from_tensor(x))
+    header = good.buffer[:16]
+    for buffer in (
+        good.buffer[:10],  # truncated header
+        good.buffer[:-1],  # one code short
+        (3).to_bytes(8, "little") + header[8:] + good.buffer[16:],  # a scale count the shape does not give
+        header[:8] + (100_000).to_bytes(8, "little") + good.buffer[16:],  # a map of 100,000 entries
+        header[:8]
+        + (2).to_bytes(8, "little")
+        + good.buffer[16:32]  # the 2 scales, then the first 2 entries of the map
+        + good.buffer[16 + 8 + 1024 :],  # codes past a map of 2
+    ):
+        bad = runtime_pb2.Tensor()
+        bad.CopyFrom(good)
+        bad.buffer = buffer
+        with pytest.raises(ValueError, match="8-bit blockwise tensor (of|with codes beyond)"):
+            ours.extract(bad)
 
 
 def test_blockwise8_cpu_encoder_zero_and_non_finite_blocks():

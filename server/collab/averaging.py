@@ -17,12 +17,17 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import BlockwiseQuantization, CompressionBase, Float16Compression, NoCompression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from dht.records import stage_key
-from server.collab.hivemind_compat import AveragerClosed, StrictAverager, start_in_background
+from server.collab.hivemind_compat import (
+    AveragerClosed,
+    StrictAverager,
+    TorchBlockwiseQuantization,
+    start_in_background,
+)
 from server.collab.lowrank import (
     PHASE_FULL,
     PHASE_P,
@@ -47,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 def hivemind_compression(codec: Codec) -> CompressionBase:
     """hivemind's implementation of one of our codecs, for its all-reduce (which serializes tensors itself)."""
-    return {"none": NoCompression, "fp16": Float16Compression, "blockwise8": BlockwiseQuantization}[codec.name]()
+    return {"none": NoCompression, "fp16": Float16Compression, "blockwise8": TorchBlockwiseQuantization}[codec.name]()
 
 
 def butterfly_bytes(codec: Codec, numel: int, dtype: torch.dtype, group: int) -> int:

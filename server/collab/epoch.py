@@ -239,9 +239,9 @@ class StageCollaboration:
     async def launch(self, timeout: float = 60.0) -> None:
         """Main thread (the event loop's): fork the averagers' processes, then wait for them off the loop.
 
-        bitsandbytes is imported lazily, and importing it takes seconds on a loaded machine: initialise it here first,
-        so that the averagers inherit it instead of each paying for it inside their first all-reduce, which then
-        overruns --averaging-timeout."""
+        The 8-bit codec builds its tables on first use: built here first, the averagers inherit them instead of each
+        building them inside its first all-reduce (when that imported bitsandbytes, seconds on a loaded machine, the
+        round overran --averaging-timeout)."""
         check_version()
         if self.averaging_cfg.wire_codec == "blockwise8":
             await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))

@@ -24,7 +24,9 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   key to our DHT node, or that the stage's records list;
 - `DecentralizedAverager._declare_for_download_periodically` (replaced), `.declare_state_period`,
   `.allow_state_sharing`, `.state_sharing_priority`, `._state_updated`, `._matchmaking.group_key_manager.prefix`:
-  the same declarations, with each DHT store's failure read instead of left to asyncio's "never retrieved".
+  the same declarations, with each DHT store's failure read instead of left to asyncio's "never retrieved";
+- `hivemind.compression.serialization._BASE_COMPRESSION_TYPES` (its BLOCKWISE_8BIT entry replaced) and
+  `BlockwiseQuantization`'s byte layout: 8-bit blockwise parts encoded and decoded by torch on the CPU.
 """
 
 from __future__ import annotations
@@ -51,19 +53,23 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import (
+    BlockwiseQuantization,
     CompressionInfo,
     deserialize_tensor_stream,
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from hivemind.compression import serialization as hivemind_serialization
 from hivemind.compression.adaptive import AdaptiveCompressionBase
+from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, enter_asynchronously
 
 from dht.forking import forking
 from dht.records import parse_p2p_id, signed_records
+from swarm.compression.blockwise import decode_cpu, dynamic_map, encode_cpu
 
 logger = logging.getLogger(__name__)
 PINNED_VERSION = "1.1.12"
@@ -71,6 +77,57 @@ LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an 
 CLIP_ITERATIONS = 3  # CenteredClip's iterations (robust aggregation; its paper finds 1-3 enough from a good start)
 DOWNLOAD_POLL_S = 0.1  # how often a state download checks that its peer is still a live peer of the stage
 FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
+
+
+class TorchBlockwiseQuantization(BlockwiseQuantization):
+    """hivemind's 8-bit blockwise format (int64 scale count, int64 map size, float32 scales, float32 map, uint8
+    codes), encoded and decoded on the CPU by torch (swarm/compression/blockwise.py) instead of bitsandbytes, whose
+    import alone costs each process ~3.5 s of CPU. The same bytes: peers running either read each other. Sizes are
+    checked before anything is decoded (hivemind's reader does not check them)."""
+
+    def quantize(self, tensor: torch.Tensor, allow_inplace: bool = False):
+        x = tensor.reshape(-1).contiguous()
+        if x.device.type != "cpu":
+            return super().quantize(tensor, allow_inplace)
+        blocksize = _BLOCKWISE_QUANTIZATION_BLOCKSIZE
+        codes = torch.empty(x.numel(), dtype=torch.uint8)
+        absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
+        if not encode_cpu(x, blocksize, codes, absmax):  # a non-finite scale: bitsandbytes, as hivemind does
+            return super().quantize(tensor, allow_inplace)
+        return codes.numpy(), (absmax.numpy(), dynamic_map(torch.device("cpu")).numpy())
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer, shape = serialized_tensor.buffer, tuple(serialized_tensor.size)
+        numel, blocksize = math.prod(shape), _BLOCKWISE_QUANTIZATION_BLOCKSIZE
+        if len(buffer) < 16:
+            raise ValueError(f"an 8-bit blockwise tensor of {len(buffer)} bytes")
+        n_scales, n_codes = (int.from_bytes(buffer[i : i + 8], "little", signed=True) for i in (0, 8))
+        if (
+            n_scales != -(-numel // blocksize)
+            or not 0 < n_codes <= 256
+            or len(buffer) != 16 + 4 * (n_scales + n_codes) + numel
+        ):
+            raise ValueError(
+                f"an 8-bit blockwise tensor of shape {list(shape)} with {n_scales} scales, a map of {n_codes} and "
+                f"{len(buffer)} bytes"
+            )
+        view = memoryview(buffer)
+        absmax = torch.frombuffer(bytearray(view[16 : 16 + 4 * n_scales]), dtype=torch.float32) if n_scales else None
+        code = torch.frombuffer(bytearray(view[16 + 4 * n_scales : 16 + 4 * (n_scales + n_codes)]), dtype=torch.float32)
+        if absmax is None:
+            values = torch.empty(0)
+        else:
+            codes = torch.frombuffer(bytearray(view[16 + 4 * (n_scales + n_codes) :]), dtype=torch.uint8)
+            if n_codes < 256 and bool((codes >= n_codes).any()):
+                raise ValueError(f"an 8-bit blockwise tensor with codes beyond its map of {n_codes}")
+            values = decode_cpu(codes, absmax, blocksize, code)
+        values = values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
+        return values.requires_grad_(serialized_tensor.requires_grad)
+
+
+# every 8-bit blockwise tensor a hivemind averager of ours sends or receives, in this process and the averager
+# processes it forks: hivemind serializes through this table
+hivemind_serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = TorchBlockwiseQuantization()
 
 
 def check_version() -> None:
