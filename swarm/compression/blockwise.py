@@ -16,6 +16,7 @@ import functools
 import math
 import struct
 
+import numpy as np
 import torch
 
 from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecError, bytes_to_tensor, tensor_to_bytes
@@ -97,14 +98,28 @@ def encode_cpu(x: torch.Tensor, blocksize: int, out: torch.Tensor, absmax: torch
     return True
 
 
+@functools.cache
+def _pair_table() -> np.ndarray:
+    """int64[65536]: for each pair of codes read as one little-endian uint16, the two map values (float32, in order)
+    as one 8-byte word: one lookup decodes two codes."""
+    table = dynamic_map(torch.device("cpu"))
+    pairs = torch.arange(1 << 16)
+    return torch.stack([table[pairs & 0xFF], table[pairs >> 8]], 1).contiguous().view(torch.int64).view(-1).numpy()
+
+
 def decode_cpu(
     codes: torch.Tensor, absmax: torch.Tensor, blocksize: int, code: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """float32 values of uint8 `codes` (flat, CPU) with float32 block scales `absmax`: each code's map value times its
-    block's scale, the product bitsandbytes' CPU decoder computes (bitwise: tests/test_compression.py). `code`: the
-    map (default: the dynamic map)."""
-    n, table = codes.numel(), dynamic_map(torch.device("cpu")) if code is None else code
-    out = torch.index_select(table, 0, codes.to(torch.int32))
+    """float32 values of uint8 `codes` (flat, contiguous, CPU) with float32 block scales `absmax`: each code's map
+    value times its block's scale, the product bitsandbytes' CPU decoder computes (bitwise: tests/test_compression.py).
+    `code`: the map, if not the dynamic map. The dynamic map's codes are looked up two at a time (numpy's take with
+    16-bit indices needs no conversion pass): 1.5x bitsandbytes' C decoder per 8 MiB here, 2x one code at a time."""
+    n, table = codes.numel(), dynamic_map(torch.device("cpu"))
+    if n and n % 2 == 0 and (code is None or torch.equal(code, table)):
+        # (every uint16 is in range: "clip" clips nothing, and unlike "raise" it does not buffer the output)
+        out = torch.from_numpy(np.take(_pair_table(), codes.numpy().view(np.uint16), mode="clip").view(np.float32))
+    else:  # an odd count, or another map (hivemind's format carries its sender's)
+        out = torch.index_select(table if code is None else code, 0, codes.to(torch.int32))
     full = n // blocksize
     if full:
         out[: full * blocksize].view(full, blocksize).mul_(absmax[:full, None])

@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
         fp32 = wire["none"][cls]["wire"]  # codec none sends fp32: its bytes are the fp32 reference
         fp16 = wire["fp16"][cls]["wire"]
         for name in CODECS:
+            if cls not in wire[name]:  # no hivemind codec of this name: the all-reduce takes whole-tensor codecs
+                continue
             w = wire[name][cls]["wire"]
             rows.append([f"{fp32 / w:.3f}x", f"{fp16 / w:.3f}x", cls, name, f"{w / 1e6:.3f}"])
     if "tokens" in wire["none"]:
