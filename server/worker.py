@@ -422,15 +422,6 @@ class StageWorker:
                 self.epoch += 1
             self._served_taken, self._taken_epoch = [], None  # that epoch's round is over
 
-    def end_round_unstepped(self, end_epoch: bool = False) -> None:
-        """Compute thread only. The round of the gradients last taken is over and steps nothing (nobody in it had
-        samples): `apply_gradients` without the step. No optimizer step on zero gradients: its momentum and weight
-        decay would move the parameters as no single process training on the same samples does."""
-        with self.changing_state():
-            if end_epoch:
-                self.epoch += 1
-            self._served_taken, self._taken_epoch = [], None
-
     def tied_state(self) -> list[torch.Tensor]:
         """Any thread. Our copy of the tied weight and its optimizer state, as CPU tensors: [weight, first moment,
         second moment, step count (one value)]; zeros for those of a weight that has not stepped yet."""

@@ -160,9 +160,7 @@ class GradientAveraging:
         group_size: int | None = None,
         group: Callable[[], list[str] | None] | None = None,
     ) -> list[torch.Tensor] | None:
-        """The group's average (all zeros if nobody in it had samples: their weights sum to 0, and the 0/0 of every
-        value reaches every peer alike, as NaN or, through an 8-bit codec, as zero), or None if the round failed, or
-        if `finished_without_us()` (a round that ended for
+        """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
         every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
         `retry_grace` seconds for that to become known before retrying. Once `nobody_left()` (every peer of the
         stage stopped answering: dead or frozen), the round fails at once instead of waiting out its timeout for
@@ -185,8 +183,6 @@ class GradientAveraging:
             return None
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
-        if all(bool(a.isnan().all()) for a in averaged):  # 0/0 everywhere: nobody in the round had samples
-            return [torch.zeros_like(a) for a in averaged]  # what an 8-bit codec makes of it: one answer for both
         return averaged if self._finite(averaged, label) else None
 
     def _run(
@@ -279,8 +275,7 @@ class GradientAveraging:
     def _finite(averaged: list[torch.Tensor], label: str) -> bool:
         if all(bool(torch.isfinite(a).all()) for a in averaged):
             return True
-        # (a group whose weights sum to 0 averages 0/0 in every value: `average` answers zeros for it, as every peer
-        # of the round receives the same averages); anything else non-finite is garbage
+        # a group whose weights sum to 0 (nobody had samples) averages 0/0; anything else non-finite is garbage
         logger.warning("%s: the all-reduce returned non-finite values: treated as a failed round", label)
         return False
 

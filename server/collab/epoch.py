@@ -56,21 +56,12 @@ def _idle(task: asyncio.Future | None) -> bool:
 
 
 def _with_tied(
-    averaged: list[torch.Tensor], tied: TiedOutcome | None, empty: bool = False
+    averaged: list[torch.Tensor], tied: TiedOutcome | None
 ) -> tuple[list[torch.Tensor | None], dict[int, list[torch.Tensor]]]:
-    """The step's gradients (None: that parameter does not step) and the parameters to load first, given the tied
-    weight's round (if any). `empty`: nobody in the stage's round had samples, so none of its parameters steps (the
-    tied weight may: the other stage's peers may have had some)."""
-    grads: list[torch.Tensor | None] = [None] * len(averaged) if empty else list(averaged)
+    """The step's gradients and the parameters to load first, given the tied weight's round (if any)."""
     if tied is None:
-        return grads, {}
-    return tied.into(grads), tied.load
-
-
-def _steps(grads: list[torch.Tensor | None], load: dict) -> bool:
-    """Whether `_with_tied`'s answer steps anything: an optimizer step on no gradient at all would still move the
-    schedule and the version (and AdamW's weight decay needs a gradient, so nothing else would change)."""
-    return bool(load) or any(g is not None for g in grads)
+        return list(averaged), {}
+    return tied.into(averaged), tied.load
 
 
 class ProgressRefused(Exception):
@@ -745,7 +736,7 @@ class StageCollaboration:
         # the lineages our peers reported, read before our step (as with synchronous steps)
         reference = self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
         # peers report the next epoch while this one is still being averaged in the background
-        averaged, tied, empty = await asyncio.get_running_loop().run_in_executor(
+        averaged, tied = await asyncio.get_running_loop().run_in_executor(
             self._pool, self._average, grads, n, n_peers, epoch, False
         )
         if averaged is None:  # resynced by _catch_up instead
@@ -753,8 +744,7 @@ class StageCollaboration:
         else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
             self._spawn(self._broadcast(end_epoch=False))
         if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
-            alone = n_peers <= 1 and n > 0
-            await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone, empty))
+            await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
         self.averaging.state.allow_state_sharing = True
         if reference is not None:  # peers of another history stepped with us: copy one
             await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
@@ -764,8 +754,7 @@ class StageCollaboration:
         0 moved on without us), end it without a step, and the empty ones stage 0 has already finished too
         (`skip_to`). With peers the round still runs, even if nobody has samples: a peer that skipped while a peer
         whose count it had not heard yet ran the round put the stage on two parameter versions (CI: a stage-2 peer
-        served global batch 1 at version 0). Such a round's average tells every peer of it alike that nobody had
-        samples, and none steps (`_average`). A delayed peer alone used to step on zero gradients here."""
+        served global batch 1 at version 0). A delayed peer alone used to step on zero gradients here."""
         if n_peers > 1 or self.worker.samples_accumulated + self.worker.samples_late > 0:
             return False
         self.worker.skip_to(max(epoch + 1, skip_to or 0))
@@ -774,10 +763,9 @@ class StageCollaboration:
 
     def _average(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
-    ) -> tuple[list[torch.Tensor] | None, TiedOutcome | None, bool]:
+    ) -> tuple[list[torch.Tensor] | None, TiedOutcome | None]:
         """Averaging pool or compute thread: (the stage's average, None if its round failed; the tied weight's round,
-        None without tied embeddings; whether nobody in the stage's round had samples: every peer of it gets the
-        same all-zero average, and none steps on it). `wait_for_peers`: the peers' reports of the next epoch mean this round ended
+        None without tied embeddings). `wait_for_peers`: the peers' reports of the next epoch mean this round ended
         for them (synchronous steps); with delayed steps they report it while the round still runs. The tied
         weight's round runs beside the stage's, on a thread of its own: a peer whose stage round failed while its
         stage peer's ended learns so from that peer's report of the next epoch, which comes only once that peer's
@@ -793,10 +781,7 @@ class StageCollaboration:
             tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, state, n, epoch, moved_on)
         averaged = self._average_stage(rest, n, n_peers, epoch, wait_for_peers)
         tied = None if tied_round is None else tied_round.result()
-        empty = averaged is not None and n_peers > 1 and not any(bool(a.any()) for a in averaged)
-        if empty:
-            logger.info("stage %d epoch %d: nobody in the round had samples; no step", self.stage, epoch)
-        return (None if averaged is None else unsplit(averaged, self.worker.tied_index, tied_grad)), tied, empty
+        return (None if averaged is None else unsplit(averaged, self.worker.tied_index, tied_grad)), tied
 
     def _average_stage(
         self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
@@ -828,15 +813,10 @@ class StageCollaboration:
             self._averaged = epoch  # an int, written once by this thread: our next Progress carries it
         return averaged
 
-    def _apply_delayed(
-        self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool, empty: bool = False
-    ) -> None:
+    def _apply_delayed(self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool) -> None:
         """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
-        stepped too, so our parameters now have a history of their own. `empty`: see `_average`."""
-        merged, load = _with_tied(averaged, tied, empty)
-        if not _steps(merged, load):
-            self.worker.end_round_unstepped()
-            return
+        stepped too, so our parameters now have a history of their own."""
+        merged, load = _with_tied(averaged, tied)
         self.worker.apply_gradients(merged, load=load)
         if alone:
             self.worker.branch()
@@ -849,18 +829,15 @@ class StageCollaboration:
         grads, n = self.worker.take_gradients()
         # read before the step: the lineages our peers reported for this epoch
         reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
-        averaged, tied, empty = self._average(grads, n, n_peers, epoch, True)
+        averaged, tied = self._average(grads, n, n_peers, epoch, True)
         if averaged is None and self.phase is Phase.STOPPED:  # the round failed because we are stopping: no recovery
             self.worker.return_gradients(grads, n)
             return
         if averaged is None:
             averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
         if averaged is not None:
-            merged, load = _with_tied(averaged, tied, empty)
-            if _steps(merged, load):
-                self.worker.apply_gradients(merged, end_epoch=True, load=load)
-            else:
-                self.worker.end_round_unstepped(end_epoch=True)
+            merged, load = _with_tied(averaged, tied)
+            self.worker.apply_gradients(merged, end_epoch=True, load=load)
             if n_peers <= 1 and n > 0:
                 self.worker.branch()  # peers we did not know of may have stepped too, alone or together
         if self.epoch == epoch or self.phase is Phase.STOPPED:  # stopping: no state to copy, no parameters to average

@@ -55,7 +55,7 @@ class TiedOutcome:
     grad: torch.Tensor | None
     state: list[torch.Tensor] | None = None
 
-    def into(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def into(self, grads: list[torch.Tensor]) -> list[torch.Tensor | None]:
         merged: list[torch.Tensor | None] = list(grads)
         merged[self.index] = self.grad
         return merged
