@@ -113,6 +113,9 @@ x = torch.randn(10_000)
 y = decode_tensor(encode_tensor("inputs", x, get_codec("blockwise8")), torch.device("cpu"))
 z = deserialize_torch_tensor(serialize_torch_tensor(x, runtime_pb2.CompressionType.BLOCKWISE_8BIT))
 assert (y - x).abs().max() < 0.1 and (z - x).abs().max() < 0.1
+x[5000] = float("nan")  # a reducer's 0/0: its block decodes non-finite, the others as before
+w = deserialize_torch_tensor(serialize_torch_tensor(x, runtime_pb2.CompressionType.BLOCKWISE_8BIT))
+assert w[4096:8192].isnan().all() and torch.equal(w[:4096], z[:4096]) and torch.equal(w[8192:], z[8192:])
 assert "bitsandbytes" not in sys.modules, "imported bitsandbytes"
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -35,7 +35,7 @@ from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import averager_options, build_averaging
-from server.collab.hivemind_compat import check_version
+from server.collab.hivemind_compat import check_version, warm_up_8bit
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery, catch_up_source
@@ -44,7 +44,6 @@ from server.collab.tickets import Ticket, Tickets
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
-from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -235,7 +234,7 @@ class StageCollaboration:
         round overran --averaging-timeout)."""
         check_version()
         if self.averaging_cfg.wire_codec == "blockwise8":
-            await asyncio.to_thread(get_codec("blockwise8").encode, torch.zeros(4096))
+            await asyncio.to_thread(warm_up_8bit)
         self.averaging.launch()
         await asyncio.to_thread(self.averaging.wait_until_ready, timeout)
 
