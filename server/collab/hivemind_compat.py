@@ -92,15 +92,15 @@ class TorchBlockwiseQuantization(BlockwiseQuantization):
         blocksize = _BLOCKWISE_QUANTIZATION_BLOCKSIZE
         codes = torch.empty(x.numel(), dtype=torch.uint8)
         absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
-        if not encode_cpu(x, blocksize, codes, absmax):
-            # a part that is not finite (the 0/0 of a reducer whose senders all weigh nothing: routine) keeps its
-            # blocks' non-finite scales, so it decodes non-finite; its codes are those of its finite values. Falling
-            # back to bitsandbytes here imported it inside the averager's round (seconds: a round took 2.5-3.1 s
-            # instead of 1.1 in tests/test_collab_failures.py)
+        # bitsandbytes' scales ignore NaN: an all-NaN block (the 0/0 of a reducer whose senders all weigh nothing:
+        # routine) encodes as zeros, and peers step on them as they always did (tests/test_tickets.py). Falling back
+        # to bitsandbytes here instead imported it inside the averager's round (a round took 2.5-3.1 s, not 1.1)
+        y = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+        if not encode_cpu(y, blocksize, codes, absmax):  # an infinite value: its block keeps its infinite scale
             scales = absmax.clone()
-            encode_cpu(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), blocksize, codes, absmax)
-            bad = ~torch.isfinite(scales)
-            absmax[bad] = scales[bad]
+            encode_cpu(torch.nan_to_num(y, posinf=0.0, neginf=0.0), blocksize, codes, absmax)
+            infinite = torch.isinf(scales)
+            absmax[infinite] = scales[infinite]
         return codes.numpy(), (absmax.numpy(), dynamic_map(torch.device("cpu")).numpy())
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
