@@ -72,8 +72,6 @@ def build_schedule(
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # a parameter's moments in the optimizer state (AdamW's and our LAMB's names)
 REPLAY_RTOL = 1e-3  # of a replayed step: how far from a claimed state rounding may leave it (relative, per tensor)
-
-
 REPLAY_ULPS = 8  # ... plus this many units in the last place of the values themselves
 
 

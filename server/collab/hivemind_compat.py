@@ -106,7 +106,7 @@ class TorchBlockwiseQuantization(BlockwiseQuantization):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer, shape = serialized_tensor.buffer, tuple(serialized_tensor.size)
         numel, blocksize = math.prod(shape), _BLOCKWISE_QUANTIZATION_BLOCKSIZE
-        if len(buffer) < 16:
+        if len(buffer) < 16:  # (its shape is unsigned in hivemind's protobuf)
             raise ValueError(f"an 8-bit blockwise tensor of {len(buffer)} bytes")
         n_scales, n_codes = (int.from_bytes(buffer[i : i + 8], "little", signed=True) for i in (0, 8))
         if (
