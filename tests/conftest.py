@@ -98,7 +98,9 @@ def _asyncio_tasks_on_timeout(request):
 
     def dump() -> None:
         tasks = [t for t in gc.get_objects() if isinstance(t, asyncio.Task) and not t.done()]
-        print(f"\n{timeout - 3:.0f}s into {request.node.nodeid}, {describe_tasks(tasks)}", file=sys.stderr)
+        tasks.sort(key=lambda t: "/tests/" not in getattr(getattr(t.get_coro(), "cr_code", None), "co_filename", ""))
+        # to stdout, ahead of the threads pytest-timeout prints there: CI shows the head of a failure's report
+        print(f"\n{timeout - 3:.0f}s into {request.node.nodeid}, {describe_tasks(tasks)}", file=sys.stdout)
 
     timer = threading.Timer(timeout - 3, dump)
     timer.daemon = True

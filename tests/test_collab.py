@@ -81,16 +81,23 @@ def run_swarm(
     return read_records(tmp / name), weights
 
 
-def swarm_warnings(folder: Path, limit: int = 40) -> str:
-    """The servers' own warnings (failed rounds, capped weights, skipped tied steps), for an assertion's message: a
-    swarm that left one process in CI is diagnosed from them, its folder gone with the run."""
+def swarm_warnings(folder: Path, limit: int = 40, attempts: int = 2) -> str:
+    """The servers' own warnings (failed rounds, capped weights, skipped tied steps) and the reasons of each one's
+    first `attempts` failed all-reduce attempts, in time order, for an assertion's message: a swarm that left one
+    process in CI is diagnosed from them, its folder gone with the run."""
     pattern = re.compile(r" (WARN|WARNING) server\.| admissions prove | does not step")
-    lines = [
-        f"{path.stem}: {line[:240]}"
-        for path in sorted(folder.glob("server-*.log"))
-        for line in path.read_text(errors="replace").splitlines()
-        if pattern.search(line) and "attempt failed" not in line
-    ]
+    lines = []
+    for path in sorted(folder.glob("server-*.log")):
+        failed = 0
+        for line in path.read_text(errors="replace").splitlines():
+            if "attempt failed" in line:
+                failed += 1
+                if failed > attempts:
+                    continue
+            elif not pattern.search(line):
+                continue
+            lines.append((line, f"{path.stem}: {line[:240]}"))
+    lines = [text for _, text in sorted(lines)]  # each line starts with its time
     return "\n".join(lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else []))
 
 
