@@ -51,9 +51,9 @@ def read_records(folder: Path) -> list[dict]:
 def run_swarm(
     tmp: Path, codec: str, name: str, epochs: int, tied: bool = False
 ) -> tuple[list[dict], dict[tuple[int, int], dict]]:
-    """3 stages x 2 peers, TRAINERS trainers with IN_FLIGHT microbatches each, until `epochs` global batches were
-    trained. Returns the trainers' records (read_records) and each server's final weights (saved by SIGTERM to its
-    own checkpoint folder). `tied`: with --tie-embeddings."""
+    """3 stages x 2 peers, then (once all six serve) TRAINERS trainers with IN_FLIGHT microbatches each, until
+    `epochs` global batches were trained. Returns the trainers' records (read_records) and each server's final weights
+    (saved by SIGTERM to its own checkpoint folder). `tied`: with --tie-embeddings."""
     server_flags = [
         *("--samples-per-step", str(GLOBAL_BATCH), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)),
         *("--clip-grad-norm", "0", "--allreduce-codec", codec, "--matchmaking-time", "0.5"),
@@ -66,6 +66,10 @@ def run_swarm(
             for r in range(2):
                 ckpt = tmp / name / f"ckpt-s{stage}-r{r}"
                 swarm.start_server(f"server-s{stage}-r{r}", stage, [*server_flags, "--checkpoint-dir", str(ckpt)])
+        # training starts once every peer serves: a peer that joins at an epoch boundary, with no samples yet, failed
+        # that epoch's tied round for all four peers in CI (the tied weight then does not step: not one process)
+        servers = [c for name, c in swarm.children.items() if name.startswith("server-")]
+        wait_for(lambda: all("serving at" in c.log_path.read_text() for c in servers), 180, "6 servers serving")
         for t in range(TRAINERS):
             log = tmp / name / f"trainer-{t}-losses.jsonl"
             flags = ["--batch-size", str(BATCH), "--in-flight", str(IN_FLIGHT), "--codec", codec, "--data-seed", str(t)]
