@@ -92,15 +92,8 @@ class TorchBlockwiseQuantization(BlockwiseQuantization):
         blocksize = _BLOCKWISE_QUANTIZATION_BLOCKSIZE
         codes = torch.empty(x.numel(), dtype=torch.uint8)
         absmax = torch.empty(-(-x.numel() // blocksize), dtype=torch.float32)
-        # bitsandbytes' scales ignore NaN: an all-NaN block (the 0/0 of a reducer whose senders all weigh nothing:
-        # routine) encodes as zeros, and peers step on them as they always did (tests/test_tickets.py). Falling back
-        # to bitsandbytes here instead imported it inside the averager's round (a round took 2.5-3.1 s, not 1.1)
-        y = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        if not encode_cpu(y, blocksize, codes, absmax):  # an infinite value: its block keeps its infinite scale
-            scales = absmax.clone()
-            encode_cpu(torch.nan_to_num(y, posinf=0.0, neginf=0.0), blocksize, codes, absmax)
-            infinite = torch.isinf(scales)
-            absmax[infinite] = scales[infinite]
+        if not encode_cpu(x, blocksize, codes, absmax):  # a non-finite value: copies of the part, off the usual path
+            _encode_non_finite(x, blocksize, codes, absmax)
         return codes.numpy(), (absmax.numpy(), dynamic_map(torch.device("cpu")).numpy())
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
@@ -130,6 +123,20 @@ class TorchBlockwiseQuantization(BlockwiseQuantization):
             values = decode_cpu(codes, absmax, blocksize, code)
         values = values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
         return values.requires_grad_(serialized_tensor.requires_grad)
+
+
+def _encode_non_finite(x: torch.Tensor, blocksize: int, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+    """`encode_cpu` of a part holding NaN or infinite values, as bitsandbytes encodes it: its scales ignore NaN, so an
+    all-NaN block (the 0/0 of a reducer whose senders all weigh nothing: routine) encodes as zeros, and peers step on
+    them as they always did (tests/test_tickets.py); a block holding an infinite value keeps its infinite scale.
+    Falling back to bitsandbytes instead imported it inside the averager's round (a round took 2.5-3.1 s, not 1.1)."""
+    y = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    if encode_cpu(y, blocksize, codes, absmax):
+        return
+    scales = absmax.clone()
+    encode_cpu(torch.nan_to_num(y, posinf=0.0, neginf=0.0), blocksize, codes, absmax)
+    infinite = torch.isinf(scales)
+    absmax[infinite] = scales[infinite]
 
 
 def warm_up_8bit() -> None:
