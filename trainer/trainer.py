@@ -69,6 +69,11 @@ class MicrobatchLost(Exception):
     """A stage call failed on `max_retries` peers."""
 
 
+class Stopping(Exception):
+    """The trainer is stopping and a microbatch still waits for a stage that has no live peer: it is given up, not
+    lost (it never reached a peer that could have counted it)."""
+
+
 class Trainer:
     def __init__(
         self,
@@ -89,6 +94,7 @@ class Trainer:
             cfg.policy(), self.stats, max_tensor_bytes, cfg.max_activation, cfg.backward_epilogue, p2p=sdht.p2p
         )
         self.peers_changed = asyncio.Event()
+        self.stopping = asyncio.Event()  # `run`'s stop: set, a microbatch that waits for a live peer gives up
         self.steps = self.samples = self.lost = self.retries = 0
         self.losses: list[float] = []
         self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -103,11 +109,13 @@ class Trainer:
         """Train until `stop`, `max_steps` or `duration`. Returns the final stats."""
         background = [asyncio.create_task(self._discover_forever()), asyncio.create_task(self._report_forever())]
         metrics = serve_metrics(self.cfg.metrics, functools.partial(fill_trainer_metrics, self), "trainer")
+        self.stopping = stop
         try:
             workers = [asyncio.create_task(self._work(stop)) for _ in range(self.cfg.in_flight)]
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopper, *workers], return_when=asyncio.FIRST_COMPLETED)
             stop.set()
+            self.peers_changed.set()  # wakes the microbatches that wait for a live peer: they give up (`_call`)
             await asyncio.gather(*workers, return_exceptions=True)
             stopper.cancel()
             for task in done - {stopper}:
@@ -140,6 +148,9 @@ class Trainer:
                 self.lost += 1
                 logger.error("microbatch %s lost: %s", mb_id, e)
                 continue
+            except Stopping as e:
+                logger.info("microbatch %s given up: %s", mb_id, e)
+                break
             loss = result.loss
             assert loss is not None  # train_microbatch checks it
             self.steps += 1
@@ -194,6 +205,8 @@ class Trainer:
                 tried.clear()  # every live peer failed once: try them again (attempts still bound the total)
                 continue
             if peer_id is None:  # waiting for a peer costs no attempt: the stage may be refilled
+                if self.stopping.is_set():  # ... unless we are stopping: SIGTERM waited for a swarm that had gone
+                    raise Stopping(f"the trainer is stopping and stage {stage} has no live peer")
                 if not waiting:
                     waiting = True
                     logger.warning(
