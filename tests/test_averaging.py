@@ -538,6 +538,49 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
         shut_down(peers, [*dhts, boot])
 
 
+class FixedGroupAverager(StrictAverager):
+    fixed_groups = True  # as build_averaging and build_tied set it before the process forks
+
+
+def test_a_peer_that_begins_its_first_fixed_round_late_is_waited_for():
+    """Servers fix each round's group just before they step it. A part sent to a member that has not begun its first
+    fixed round was refused at once (hivemind's "no such group"): the sender's attempt failed, and its partners'
+    with it, until every member had begun (epoch 0 of a tied swarm). It waits for that member now, as it does for a
+    member of the group the peer was last told of."""
+    values = [torch.full((5000,), v) for v in (1.0, 4.0)]
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
+    common = dict(prefix="avgtest_first_fixed", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
+    with forking():  # see run_round
+        peers = [
+            FixedGroupAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
+            for v, dht in zip(values, dhts, strict=True)
+        ]
+    ids = [str(p.peer_id) for p in peers]
+    results: list = [None, None]
+
+    def first_round(i: int, delay: float) -> None:
+        time.sleep(delay)
+        peers[i].fix_group([ids[1 - i]], gather_timeout=5.0)  # as the server does: right before its step
+        try:
+            results[i] = peers[i].step(weight=1.0, timeout=8, allow_retries=False)
+        except Exception as e:
+            results[i] = e
+
+    try:
+        threads = [threading.Thread(target=first_round, args=(i, 1.0 * i)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(isinstance(r, dict) and len(r) == 2 for r in results), results
+        for peer in peers:
+            with peer.get_tensors() as (got,):
+                assert torch.equal(got, torch.full((5000,), 2.5)), got[:3]
+    finally:
+        shut_down(peers, [*dhts, boot])
+
+
 def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
     """After a failed round a peer copies the reference's state (server/collab/recovery.py). A reference that froze
     (SIGSTOP: its connections stay open, nothing comes) holds the download only until the stage drops it, not for

@@ -530,6 +530,7 @@ def build_averaging(
         **common,
     )
     averager.robust_clip = cfg.robust_clip
+    averager.fixed_groups = cfg.fixed_groups
     parameters = None
     if cfg.param_average_every > 0:
         param_codec = policy.codec(TensorRole.PARAMETERS)

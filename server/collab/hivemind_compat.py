@@ -465,6 +465,9 @@ class StrictAverager(DecentralizedAverager):
     _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
     _fixed: tuple[PeerID, ...] | None = None  # the next rounds' group, us included (None: matchmaking); its process
     _gather_timeout: float | None = None  # how long a fixed round waits for its members to begin (averager's process)
+    # whether our rounds run in fixed groups (`fix_group`; set before the process forks): then a part that a peer the
+    # stage lists sends for a group we have not begun waits for us, also before our first round
+    fixed_groups = False
     # private swarms (set before the process forks): the DHT key of the stage's signed records. Nobody may join our
     # groups before we are told the members, and only the peers those records list (joining peers included) may
     # download our state: an uninvited libp2p peer that dials us directly gets nothing.
@@ -572,17 +575,23 @@ class StrictAverager(DecentralizedAverager):
         instead of being told at once that we know no such group; a request for another group while we run ours is
         refused at once (hivemind's reply)."""
         request = await anext(stream)
-        if (
-            self._fixed is not None
-            and context.remote_id in self._fixed
-            and request.group_id not in self._running_groups
-        ):
+        if request.group_id not in self._running_groups and self._waits_for(context.remote_id):
             loop = asyncio.get_running_loop()
             deadline = loop.time() + (self._allreduce_timeout or 10.0)
             while request.group_id not in self._running_groups and not self._running_groups and loop.time() < deadline:
                 await asyncio.sleep(FIXED_GROUP_POLL_S)
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    def _waits_for(self, peer_id: PeerID) -> bool:
+        """Whether a part `peer_id` sends for a group we have not begun waits for us: a member of the fixed group we
+        were last told of; before we were told one (our first round), any peer the stage lists. Refused at once
+        there, a peer that began the first round before us failed its attempt, its partners' attempts failed with it
+        (its part left their reducers), and so on until all had begun (at epoch 0 of a tied swarm: "Reducer: received
+        16.7% of input tensors", attempts retried for 0.5 s)."""
+        if self._fixed is not None:
+            return peer_id in self._fixed
+        return self.fixed_groups and not self._stranger(peer_id)
 
     def _stranger(self, peer_id: PeerID) -> bool:
         if self._members is None:

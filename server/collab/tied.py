@@ -248,4 +248,5 @@ def build_tied(
         **common,
     )
     averager.robust_clip = cfg.robust_clip  # a peer sending garbage is bounded here as in the stage's own rounds
+    averager.fixed_groups = True  # every tied round runs in the fixed group of both stages' listed peers
     return TiedAveraging(averager, cfg, sdht, stage, (0, n_stages - 1), worker.tied_index)
