@@ -347,8 +347,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id != self.peer_id:  # a remote reducer: what it sends back is registered as it comes
             try:
                 return await super()._communicate_with_peer(peer_id)
-            except Exception:
+            except Exception as e:
                 self.reducer_failed.set()  # its part will not be averaged: the round has failed (see `outputs`)
+                logger.info("the part %s reduces for us did not come back: %r", str(peer_id)[-6:], e)
                 raise
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         if not self._weigh(sender_index, self.weight):
