@@ -462,6 +462,16 @@ def test_a_stranger_under_the_prefix_never_joins_the_stage_round():
         shut_down([*peers, stranger], [*dhts, boot])
 
 
+def averagers_of(kind: type[StrictAverager], values: list[torch.Tensor], prefix: str) -> tuple:
+    """(a bootstrap DHT node, one DHT node per value, one started averager of `kind` per value on it)."""
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
+    common = dict(prefix=prefix, start=True, min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=5.0)
+    with forking():  # see run_round
+        peers = [kind(averaged_tensors=[v.clone()], dht=dht, **common) for v, dht in zip(values, dhts, strict=True)]
+    return boot, dhts, peers
+
+
 def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_group_fails_alone():
     """Fixed groups (--fixed-groups): three peers told the round's members step 0.6 s apart, with no matchmaking; the
     first two wait for the last, and all three end with the same weighted mean. Then a and b fix a group of the two
@@ -469,14 +479,7 @@ def test_fixed_groups_average_without_matchmaking_and_a_peer_that_sees_another_g
     round fails instead of waiting for a group that never forms. Last, c does not come at all: with a gather timeout
     of 1 s, a's and b's round fails within seconds, not at the all-reduce timeout."""
     values = [torch.full((5000,), v) for v in (1.0, 4.0, 10.0)]
-    boot = start_dht()
-    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
-    common = dict(prefix="avgtest_fixed", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
-    with forking():  # see run_round
-        peers = [
-            StrictAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
-            for v, dht in zip(values, dhts, strict=True)
-        ]
+    boot, dhts, peers = averagers_of(StrictAverager, values, "avgtest_fixed")
     ids = [str(p.peer_id) for p in peers]
     results: list = [None] * 3
 
@@ -548,14 +551,7 @@ def test_a_peer_that_begins_its_first_fixed_round_late_is_waited_for():
     with it, until every member had begun (epoch 0 of a tied swarm). It waits for that member now, as it does for a
     member of the group the peer was last told of."""
     values = [torch.full((5000,), v) for v in (1.0, 4.0)]
-    boot = start_dht()
-    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in values]
-    common = dict(prefix="avgtest_first_fixed", start=True, min_matchmaking_time=1.0, request_timeout=0.5)
-    with forking():  # see run_round
-        peers = [
-            FixedGroupAverager(averaged_tensors=[v.clone()], dht=dht, allreduce_timeout=5.0, **common)
-            for v, dht in zip(values, dhts, strict=True)
-        ]
+    boot, dhts, peers = averagers_of(FixedGroupAverager, values, "avgtest_first_fixed")
     ids = [str(p.peer_id) for p in peers]
     results: list = [None, None]
 
