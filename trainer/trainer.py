@@ -94,7 +94,8 @@ class Trainer:
             cfg.policy(), self.stats, max_tensor_bytes, cfg.max_activation, cfg.backward_epilogue, p2p=sdht.p2p
         )
         self.peers_changed = asyncio.Event()
-        self.stopping = asyncio.Event()  # `run`'s stop: set, a microbatch that waits for a live peer gives up
+        self.stopping = asyncio.Event()  # `run`'s stop: once set, no new microbatch starts and those that wait for
+        # a live peer give up
         self.steps = self.samples = self.lost = self.retries = 0
         self.losses: list[float] = []
         self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -111,7 +112,7 @@ class Trainer:
         metrics = serve_metrics(self.cfg.metrics, functools.partial(fill_trainer_metrics, self), "trainer")
         self.stopping = stop
         try:
-            workers = [asyncio.create_task(self._work(stop)) for _ in range(self.cfg.in_flight)]
+            workers = [asyncio.create_task(self._work()) for _ in range(self.cfg.in_flight)]
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait([stopper, *workers], return_when=asyncio.FIRST_COMPLETED)
             stop.set()
@@ -133,12 +134,12 @@ class Trainer:
                 self._loss_log.close()
         return self.snapshot()
 
-    def _done(self, stop: asyncio.Event) -> bool:
+    def _done(self) -> bool:
         elapsed = time.monotonic() - self.started
-        return stop.is_set() or (0 < self.cfg.max_steps <= self.steps) or (0 < self.cfg.duration <= elapsed)
+        return self.stopping.is_set() or (0 < self.cfg.max_steps <= self.steps) or (0 < self.cfg.duration <= elapsed)
 
-    async def _work(self, stop: asyncio.Event) -> None:
-        while not self._done(stop):
+    async def _work(self) -> None:
+        while not self._done():
             tokens, labels = next(self.data)
             index = next(self._ids)  # the position of this microbatch in the trainer's data stream
             mb_id = f"{self.sdht.peer_id[-8:]}-{index}"
@@ -165,7 +166,7 @@ class Trainer:
                 )
                 self._loss_log.flush()
             self.recent.append(loss)
-        stop.set()
+        self.stopping.set()
 
     async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> MicrobatchResult:
         async def call(stage, method, tensors, expect_shape, forward_version, admission):
