@@ -23,11 +23,13 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter
 
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
 from server.collab.hivemind_compat import (
+    MAX_WAITING_PARTS,
     AveragerClosed,
     ClippedPartReducer,
     ExactAllReduceRunner,
@@ -575,6 +577,35 @@ def test_a_peer_that_begins_its_first_fixed_round_late_is_waited_for():
                 assert torch.equal(got, torch.full((5000,), 2.5)), got[:3]
     finally:
         shut_down(peers, [*dhts, boot])
+
+
+async def test_parts_that_wait_for_a_first_fixed_round_are_bounded_and_strangers_never_wait():
+    """The averager process's handler alone (no round begins): a flood of parts for a made-up group, from a peer id
+    nobody lists, before our first fixed round. In a public swarm at most MAX_WAITING_PARTS of them wait (each until
+    the all-reduce timeout), the rest get hivemind's "no such group" at once; in a private swarm, where the stage's
+    records do not list that peer, none waits."""
+    averager = object.__new__(FixedGroupAverager)  # its handler's state only: no process, no DHT
+    averager._parent_pid = -1  # hivemind's __del__ shuts down only the process that made it
+    averager._running_groups, averager._allreduce_timeout = {}, 1.0
+    averager._pending_groups_registered = asyncio.Event()
+    averager._pending_groups_registered.set()
+    forger = SimpleNamespace(remote_id=PeerID(b"\x00" * 34))
+
+    async def ask() -> tuple[float, list]:
+        started = time.monotonic()
+        request = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=os.urandom(20))
+        replies = [m async for m in averager.rpc_aggregate_part(as_aiter(request), forger)]
+        return time.monotonic() - started, [m.code for m in replies]
+
+    flood = await asyncio.gather(*(ask() for _ in range(MAX_WAITING_PARTS + 8)))
+    assert all(codes == [averaging_pb2.BAD_GROUP_ID] for _, codes in flood)
+    waited = sorted(took for took, _ in flood)
+    assert all(took < 0.5 for took in waited[:8]) and all(took >= 0.9 for took in waited[8:]), waited
+    assert averager._waiting_parts == 0
+
+    averager.listed_under, averager._members = "stage-key", frozenset({PeerID(b"\x01" * 34)})  # private: not listed
+    took, codes = await ask()
+    assert codes == [averaging_pb2.BAD_GROUP_ID] and took < 0.5
 
 
 def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():

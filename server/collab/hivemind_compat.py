@@ -77,6 +77,7 @@ LISTED_READ_INTERVAL_S = 1.0  # private swarms: the most often a download by an 
 CLIP_ITERATIONS = 3  # CenteredClip's iterations (robust aggregation; its paper finds 1-3 enough from a good start)
 DOWNLOAD_POLL_S = 0.1  # how often a state download checks that its peer is still a live peer of the stage
 FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
+MAX_WAITING_PARTS = 32  # parts for a group we have not begun that wait for us at once; more are refused at once
 
 
 class TorchBlockwiseQuantization(BlockwiseQuantization):
@@ -466,6 +467,7 @@ class StrictAverager(DecentralizedAverager):
     _members: frozenset[PeerID] | None = None  # libp2p ids allowed in our groups (None: anyone); averager's process
     _fixed: tuple[PeerID, ...] | None = None  # the next rounds' group, us included (None: matchmaking); its process
     _gather_timeout: float | None = None  # how long a fixed round waits for its members to begin (averager's process)
+    _waiting_parts = 0  # parts for a group we have not begun, waiting for us now (averager's process)
     # whether our rounds run in fixed groups (`fix_group`; set before the process forks): then a part that a peer the
     # stage lists sends for a group we have not begun waits for us, also before our first round
     fixed_groups = False
@@ -574,13 +576,24 @@ class StrictAverager(DecentralizedAverager):
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # typing's: hivemind reads the hint's `_name`
         """A member of our fixed group that reached the round before us waits for us (up to the all-reduce timeout)
         instead of being told at once that we know no such group; a request for another group while we run ours is
-        refused at once (hivemind's reply)."""
+        refused at once (hivemind's reply). At most MAX_WAITING_PARTS parts wait at once: before our first round any
+        listed peer's part may wait, and in a public swarm that is anyone's."""
         request = await anext(stream)
-        if request.group_id not in self._running_groups and self._waits_for(context.remote_id):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + (self._allreduce_timeout or 10.0)
-            while request.group_id not in self._running_groups and not self._running_groups and loop.time() < deadline:
-                await asyncio.sleep(FIXED_GROUP_POLL_S)
+        if (
+            request.group_id not in self._running_groups
+            and self._waits_for(context.remote_id)
+            and self._waiting_parts < MAX_WAITING_PARTS
+        ):
+            self._waiting_parts += 1
+            try:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + (self._allreduce_timeout or 10.0)
+                while (
+                    request.group_id not in self._running_groups and not self._running_groups and loop.time() < deadline
+                ):
+                    await asyncio.sleep(FIXED_GROUP_POLL_S)
+            finally:
+                self._waiting_parts -= 1
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
