@@ -32,7 +32,7 @@ from swarm import stacks
 from swarm.config import ModelConfig
 from swarm.metrics import serve_metrics
 from swarm.model import Stage
-from swarm.net import is_unspecified
+from swarm.net import is_own_address, is_unspecified
 from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.p2p import serve as serve_over_p2p
 from swarm.protocol.reach import ReachResponder
@@ -43,6 +43,8 @@ from swarm.tasks import Overlapping
 logger = logging.getLogger("swarm.server")
 MAX_ANNOUNCES_IN_FLIGHT = 3  # announces still landing (announce_forever): the oldest has waited 3 periods
 MOVE_GRACE_S = 15.0  # a move runs longer than its drains plus this: log what it waits on (swarm/stacks.py)
+RELAY_SLOT_WAIT_S = 60.0  # a peer behind NAT waits this long for a relay slot before it serves anyway
+RELAY_SLOT_POLL_S = 0.5
 
 
 class PeerState(enum.Enum):
@@ -103,6 +105,7 @@ class StageServer:
         self._counted = (time.monotonic(), 0)  # (when, samples processed) at the last snapshot
         self.seen_host: str | None = None  # where the swarm's peers see us (reachability self-test)
         self.p2p_only = False  # callers reach us over libp2p: the swarm cannot dial our gRPC port (--transport)
+        self.behind_nat = False  # the swarm cannot dial us where it sees us, an address that is not ours
         self.tls = ServerTls.from_config(cfg.tls)
         self._relay_report: asyncio.Task | None = None  # the check of our relays, when we are reached through them
 
@@ -150,6 +153,27 @@ class StageServer:
             return f"through a relay only: our DHT node listens on no address ({hint})", True
         return f"directly at {', '.join(direct)} where they can dial it, else through a relay ({hint})", False
 
+    async def _wait_for_relay_slot(self) -> None:
+        """Behind NAT: wait until a relay holds a slot for us (our daemon lists a /p2p-circuit address), up to
+        RELAY_SLOT_WAIT_S. Serving before that, callers' dials through the relay end in NO_RESERVATION: each call
+        fails and the caller bans us (measured behind a masquerading router: the daemon reserved 13 s after our
+        check, and the trainer's calls failed until then, then kept away for 30 s more)."""
+        p2p, started = await self.sdht.p2p(), time.monotonic()
+        while time.monotonic() - started < RELAY_SLOT_WAIT_S:
+            try:
+                maddrs = await p2p.get_visible_maddrs(latest=True)
+            except ValueError:  # hivemind: "No multiaddrs found"
+                maddrs = []
+            if relays := [str(m) for m in maddrs if "p2p-circuit" in str(m)]:
+                logger.info("a relay holds a slot for us after %.1fs: %s", time.monotonic() - started, relays[0])
+                return
+            await asyncio.sleep(RELAY_SLOT_POLL_S)
+        logger.warning(
+            "no relay holds a slot for us after %.0fs: callers that cannot dial us fail until one does (a public DHT "
+            "node relays: swarm-dht --public)",
+            RELAY_SLOT_WAIT_S,
+        )
+
     def record(self, ready: bool = True, stage: int | None = None) -> ServerRecord:
         return ServerRecord(
             host=self.cfg.network.announce_host or self.seen_host or self.cfg.network.host,
@@ -184,6 +208,9 @@ class StageServer:
         report = test.report(port, "--announce-host/--announce-port")
         unreachable = test.result.answered and not test.result.ok
         (logger.warning if unreachable else logger.info)(report)
+        # we asked where the swarm sees us: at an address no interface of ours holds, where it cannot dial us
+        seen_elsewhere = is_unspecified(host) and bool(test.host) and not is_own_address(test.host or "")
+        self.behind_nat = unreachable and seen_elsewhere
         if unreachable and net.transport == "auto":
             self.p2p_only = True
             logger.warning(
@@ -255,6 +282,8 @@ class StageServer:
                 await self.check_reachability()
             service.transport = "p2p" if self.p2p_only else "grpc+tls" if self.tls else "grpc"
             if self.p2p_only:
+                if self.behind_nat:  # libp2p finds that out too, and reserves a slot on a relay: wait for it
+                    await self._wait_for_relay_slot()
                 path, relayed_only = await self._libp2p_path()
                 logger.info("over libp2p, callers reach us %s", path)
                 if relayed_only:  # what a caller can send through each relay

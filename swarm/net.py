@@ -4,6 +4,7 @@ multiaddrs name the family ("/ip6/::1/tcp/5000")."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 DHT_WAIT_TIMEOUT_S = 3.0  # hivemind's default
 DHT_WAIT_TIMEOUT_HELP = (
@@ -37,6 +38,20 @@ def is_unspecified(host: str) -> bool:
         return not host or ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:
         return False  # a host name
+
+
+def is_own_address(host: str) -> bool:
+    """Whether `host` is an IP address of this machine: one a socket can bind to. The address the swarm sees us at
+    is not, behind NAT (a home router, or a cloud's 1:1 NAT)."""
+    if ip_version(host) is None:
+        return False
+    family = socket.AF_INET6 if ip_version(host) == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host.strip("[]"), 0))
+    except OSError:
+        return False
+    return True
 
 
 def tcp_multiaddr(host: str, port: int) -> str:

@@ -9,7 +9,7 @@ import pytest
 from dht.node import SwarmDHT, start_dht
 from server import reachability
 from server.reachability import helper_ids
-from swarm.net import join_host_port, listen_multiaddrs
+from swarm.net import is_own_address, join_host_port, listen_multiaddrs
 from swarm.protocol import reach
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.reach import HANDLER, ReachResponder, check_reachability, is_local, valid_host
@@ -158,6 +158,13 @@ def test_hosts_a_responder_dials_are_names_or_addresses_and_its_loopback_only_fo
         assert is_local(local), local
     for remote in ("10.0.0.1", "203.0.113.7", "example.org", "2001:db8::1"):
         assert not is_local(remote), remote
+
+
+def test_an_address_the_swarm_sees_us_at_is_ours_only_if_an_interface_holds_it():
+    """Behind NAT the swarm sees us at the router's address: not ours, so the server waits for a relay slot."""
+    assert is_own_address("127.0.0.1") and is_own_address("[::1]")
+    for other in ("192.0.2.1", "2001:db8::1", "example.org", ""):
+        assert not is_own_address(other), other
 
 
 def test_dual_stack_listens_on_both_families_and_ipv6_addresses_are_bracketed():
