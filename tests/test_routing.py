@@ -136,6 +136,23 @@ def test_a_record_restored_every_two_seconds_for_a_dead_server_draws_a_few_calls
     assert "fake" in router.available
 
 
+def test_calls_in_flight_that_fail_with_their_peer_make_one_strike():
+    """Three microbatches in flight on one peer fail together: one outage, one strike (a 1 s ban, not 4 s)."""
+    clock = FakeClock()
+    router = StageRouter(clock=clock)
+    router.update_peers({"a": 100.0, "b": 100.0})
+    for _ in range(3):
+        router.report_failure("a")
+    assert router.available == ["b"]
+    clock.now += 1.1
+    router.update_peers({"a": 101.0, "b": 100.0})  # a re-announced
+    assert sorted(router.available) == ["a", "b"]
+    router.report_failure("a")  # failing again once back: a second strike
+    clock.now += 1.1
+    router.update_peers({"a": 102.0, "b": 100.0})
+    assert router.available == ["b"], "the second ban lasts 2 s"
+
+
 def test_new_peer_starts_at_minimum_key():
     router = StageRouter(clock=FakeClock())
     router.update_peers({"a": 100.0, "b": 100.0})

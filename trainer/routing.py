@@ -35,7 +35,7 @@ class StageRouter:
     with an expiration newer than the one it had when banned (it re-announced), even if it vanished meanwhile, and
     not before ``min_ban_s`` x 2^(k-1) seconds (at most ``max_ban_s``) after its k-th failure in a row: a record
     re-stored every few seconds for a server that never answers (or answers garbage) draws a few calls a minute,
-    not one per re-store. A success resets k.
+    not one per re-store. A success resets k; failures reported while a ban stands do not count.
     """
 
     def __init__(
@@ -121,8 +121,11 @@ class StageRouter:
 
     def report_failure(self, peer_id: str, timed_out: bool = False) -> None:
         """Ban the peer until it re-announces, and for at least its ban's minimum (see the class); a timeout also
-        multiplies its EMA by ``timeout_penalty``."""
-        if (peer := self._peers.get(peer_id)) is None:
+        multiplies its EMA by ``timeout_penalty``. A banned peer is chosen for no call: a failure reported while its
+        ban stands is of a call that was in flight when it began, the same outage, and counts nothing more (three
+        microbatches in flight on a peer behind NAT whose relay slot was not yet reserved made three strikes at once,
+        and two such rounds kept the trainer away from it for 32 s)."""
+        if (peer := self._peers.get(peer_id)) is None or peer_id in self._bans:
             return
         strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
         hold = min(self.max_ban_s, self.min_ban_s * 2 ** min(strikes - 1, 32))
