@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -43,11 +44,20 @@ SHUFFLE_WINDOWS = 1024  # tokenized sequences pooled; each microbatch draws its 
 HUB_SHUFFLE_BUFFER = 10_000  # records in a streamed hub dataset's shuffle buffer
 
 
+def _files_under(root: Path) -> Iterator[Path]:
+    """The files under `root`, not descending into site-packages (installed packages, not the standard library):
+    a trainer's start reads the standard library, and walking a site-packages of tens of thousands of files took
+    longer than reading it (0.55 s of 1.2 s)."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        yield from (Path(folder, name) for name in files)
+
+
 def _read_tree(root: Path, max_bytes: int, suffixes: tuple[str, ...] | None) -> tuple[bytes, bool]:
     """The text files under `root`, in path order, joined by newlines, cut at `max_bytes`; and whether it was cut."""
-    chunks, total, paths = [], 0, sorted(root.rglob("*"))
+    chunks, total, paths = [], 0, sorted(_files_under(root))
     for i, path in enumerate(paths):
-        if not path.is_file() or (suffixes and path.suffix not in suffixes) or "site-packages" in path.parts:
+        if not path.is_file() or (suffixes and path.suffix not in suffixes):
             continue
         try:
             data = path.read_bytes()
