@@ -72,8 +72,8 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
         started, series, peers = time.monotonic(), [], []
         wait_for(lambda: (s := swarm.trainer_stats()) and s[0]["samples"] > 0, 180, "the first trained microbatch")
         first_sample = time.monotonic() - started
-        # the moves take ~3 periods (a move waits up to --migration-drain-s for its stage's epoch to end); then
-        # SETTLED_PERIODS more are observed after the last change the trainer saw, within a hard limit
+        # the moves take ~3 periods (a move waits up to --migration-drain-s for its stage's epoch to end); once the
+        # trainer sees 2/2/2, SETTLED_PERIODS more are observed after the last change it saw, within a hard limit
         limit = time.monotonic() + 240
         while time.monotonic() < limit:
             assert trainer.alive(), swarm.tail(trainer)
@@ -82,7 +82,7 @@ def test_starved_stages_get_peers_and_throughput_rises(tmp_path, marker):
             series.append((now, stats["samples"]))
             peers.append((now, stats["peers_per_stage"]))
             changed = max((t for (t, p), (_, q) in zip(peers[1:], peers, strict=False) if p != q), default=first_sample)
-            if now > first_sample + 6 * PERIOD + 20 and now - changed > SETTLED_PERIODS * PERIOD:
+            if peers[-1][1] == [2, 2, 2] and now - changed > SETTLED_PERIODS * PERIOD:
                 break
             time.sleep(1.0)
         final = swarm.trainer_stats()[0]
