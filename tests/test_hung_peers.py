@@ -24,7 +24,7 @@ from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
 from server.collab.averaging import ParameterAveraging, round_result
-from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
+from server.collab.epoch import ADMISSION_REPLY_MARGIN_S, Phase, StageCollaboration
 from server.collab.hivemind_compat import AveragerClosed
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
@@ -279,3 +279,23 @@ async def test_announces_and_lookups_that_a_frozen_dht_node_holds_do_not_hold_th
     for stage in range(2):
         assert dht.looked_up.count(stage) > 3
         assert trainer.routers[stage].available == ["a"] and trainer.records[stage]["a"].stage == stage
+
+
+async def test_a_stopping_peers_poller_ends_even_when_a_progress_kicks_it_as_it_is_cancelled():
+    """`StageCollaboration.stop` cancels the poller and waits for it. A Progress that kicks the poller in the same
+    step as the cancellation made Python 3.11's wait_for return instead of raising, and the poller ran on for ever:
+    the server's stop, and a test's teardown, hung (CI, twice, 120 s). The poller's state only: no DHT, no peers."""
+    collab = object.__new__(StageCollaboration)
+    never = asyncio.get_running_loop().create_future()  # a read and an epoch check that are still running
+    collab._kick, collab._refreshing, collab._checking = asyncio.Event(), never, never
+    collab.cfg, collab.network = SimpleNamespace(progress_period=30.0), SimpleNamespace(announce_period=1e9)
+    collab.phase = Phase.ACCUMULATING
+    poller = asyncio.create_task(collab._poll_forever())
+    await asyncio.sleep(0.05)  # waiting for a kick
+    collab.phase = Phase.STOPPED  # what stop does, then
+    collab._kick.set()  # a Progress arrives
+    poller.cancel()
+    done, _ = await asyncio.wait({poller}, timeout=2.0)
+    poller.cancel()
+    never.cancel()
+    assert done, "the poller ran on after its peer stopped"

@@ -631,6 +631,11 @@ class StageCollaboration:
                 await asyncio.wait_for(self._kick.wait(), self.cfg.progress_period)
             except TimeoutError:
                 pass
+            if self.phase is Phase.STOPPED:
+                # `stop` cancels this task, but Python 3.11's wait_for returns instead of raising when the wait it
+                # was cancelled in has just ended too: a Progress kicked us as we stopped (every 0.1 s in the tests),
+                # this loop ran on, and `stop` waited for it for ever (CI: a test's teardown hung 120 s, twice)
+                return
             self._kick.clear()
             if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
                 # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead) leaves
