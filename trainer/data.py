@@ -46,8 +46,8 @@ HUB_SHUFFLE_BUFFER = 10_000  # records in a streamed hub dataset's shuffle buffe
 
 def _files_under(root: Path) -> Iterator[Path]:
     """The files under `root`, not descending into site-packages (installed packages, not the standard library):
-    a trainer's start reads the standard library, and walking a site-packages of tens of thousands of files took
-    longer than reading it (0.55 s of 1.2 s)."""
+    a trainer's start reads the standard library, and listing and stat-ing a site-packages of tens of thousands of
+    files only to skip them took 0.9 s of the 1.2 s the read took."""
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != "site-packages"]
         yield from (Path(folder, name) for name in files)
