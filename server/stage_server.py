@@ -143,28 +143,27 @@ class StageServer:
         """How callers' libp2p daemons reach ours, as far as we can tell: directly at the addresses it listens on
         (when they can dial one), else through a relay (a public DHT node: swarm-dht --public). And whether that is
         through a relay only."""
-        try:
-            maddrs = await (await self.sdht.p2p()).get_visible_maddrs()
-        except ValueError:  # hivemind: "No multiaddrs found"
-            maddrs = []
-        direct = [str(m) for m in maddrs if "p2p-circuit" not in str(m)]
+        direct = [m for m in await self._our_maddrs() if "p2p-circuit" not in m]
         hint = "a public DHT node relays: swarm-dht --public"
         if not direct:
             return f"through a relay only: our DHT node listens on no address ({hint})", True
         return f"directly at {', '.join(direct)} where they can dial it, else through a relay ({hint})", False
+
+    async def _our_maddrs(self, latest: bool = False) -> list[str]:
+        """Our libp2p daemon's addresses as callers see them; `latest`: asked of the daemon now, not cached."""
+        try:
+            return [str(m) for m in await (await self.sdht.p2p()).get_visible_maddrs(latest=latest)]
+        except ValueError:  # hivemind: "No multiaddrs found"
+            return []
 
     async def _wait_for_relay_slot(self) -> None:
         """Behind NAT: wait until a relay holds a slot for us (our daemon lists a /p2p-circuit address), up to
         RELAY_SLOT_WAIT_S. Serving before that, callers' dials through the relay end in NO_RESERVATION: each call
         fails and the caller bans us (measured behind a masquerading router: the daemon reserved 13 s after our
         check, and the trainer's calls failed until then, then kept away for 30 s more)."""
-        p2p, started = await self.sdht.p2p(), time.monotonic()
+        started = time.monotonic()
         while time.monotonic() - started < RELAY_SLOT_WAIT_S:
-            try:
-                maddrs = await p2p.get_visible_maddrs(latest=True)
-            except ValueError:  # hivemind: "No multiaddrs found"
-                maddrs = []
-            if relays := [str(m) for m in maddrs if "p2p-circuit" in str(m)]:
+            if relays := [m for m in await self._our_maddrs(latest=True) if "p2p-circuit" in m]:
                 logger.info("a relay holds a slot for us after %.1fs: %s", time.monotonic() - started, relays[0])
                 return
             await asyncio.sleep(RELAY_SLOT_POLL_S)
@@ -209,8 +208,7 @@ class StageServer:
         unreachable = test.result.answered and not test.result.ok
         (logger.warning if unreachable else logger.info)(report)
         # we asked where the swarm sees us: at an address no interface of ours holds, where it cannot dial us
-        seen_elsewhere = is_unspecified(host) and bool(test.host) and not is_own_address(test.host or "")
-        self.behind_nat = unreachable and seen_elsewhere
+        self.behind_nat = bool(unreachable and is_unspecified(host) and test.host and not is_own_address(test.host))
         if unreachable and net.transport == "auto":
             self.p2p_only = True
             logger.warning(

@@ -43,9 +43,9 @@ def is_unspecified(host: str) -> bool:
 def is_own_address(host: str) -> bool:
     """Whether `host` is an IP address of this machine: one a socket can bind to. The address the swarm sees us at
     is not, behind NAT (a home router, or a cloud's 1:1 NAT)."""
-    if ip_version(host) is None:
+    if (version := ip_version(host)) is None:
         return False
-    family = socket.AF_INET6 if ip_version(host) == 6 else socket.AF_INET
+    family = socket.AF_INET6 if version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((host.strip("[]"), 0))

@@ -211,9 +211,9 @@ def test_a_server_behind_a_masquerading_router_serves_through_the_bootstrap_node
     finds that out and says so, it serves over libp2p, reserves a slot on the bootstrap node's relay, and the
     trainer trains through it with nothing lost. A second stage-1 server outside then joins: it downloads the home
     server's state and both average together, across the NAT. The home server serves once the relay holds a slot for
-    it (13 s after its check). Measured: the test takes 51 s (67 s when it served before its slot, and the trainer's
-    calls through the relay failed until then; 208-230 s before the daemon took its bootstrap peers as static
-    relays)."""
+    it (13 s after its check). Measured: the test takes 37-41 s (67 s when it served before its slot, and the
+    trainer's calls through the relay failed until then; 208-230 s before the daemon took its bootstrap peers as
+    static relays)."""
     if reason := nat_unavailable():
         pytest.skip(f"{reason}; test_a_server_with_no_inbound_connection_serves_through_the_relay runs instead")
     model = ["--preset", "tiny_test", "--n-stages", "2"]

@@ -3,12 +3,14 @@
 import asyncio
 import functools
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from dht.node import SwarmDHT, start_dht
-from server import reachability
+from server import reachability, stage_server
 from server.reachability import helper_ids
+from server.stage_server import StageServer
 from swarm.net import is_own_address, join_host_port, listen_multiaddrs
 from swarm.protocol import reach
 from swarm.protocol import wire_pb2 as pb
@@ -165,6 +167,41 @@ def test_an_address_the_swarm_sees_us_at_is_ours_only_if_an_interface_holds_it()
     assert is_own_address("127.0.0.1") and is_own_address("[::1]")
     for other in ("192.0.2.1", "2001:db8::1", "example.org", ""):
         assert not is_own_address(other), other
+
+
+async def test_a_server_behind_nat_waits_for_a_relay_slot_and_no_longer_than_its_bound(monkeypatch, caplog):
+    """StageServer._wait_for_relay_slot against a stand-in for its daemon: done at the poll that first lists a
+    /p2p-circuit address (a daemon with no address yet raises, as hivemind's does); with none ever, it gives up at
+    RELAY_SLOT_WAIT_S and says so."""
+    monkeypatch.setattr(stage_server, "RELAY_SLOT_POLL_S", 0.01)
+    monkeypatch.setattr(stage_server, "RELAY_SLOT_WAIT_S", 0.5)
+    relay = "/ip4/11.0.0.1/tcp/5/p2p/QmRelay/p2p-circuit/p2p/QmUs"
+    answers: list = [ValueError("No multiaddrs found"), ["/ip4/192.168.7.2/tcp/5/p2p/QmUs"], [relay]]
+    polls = 0
+
+    async def get_visible_maddrs(latest: bool = False) -> list[str]:
+        nonlocal polls
+        polls += 1
+        assert latest, "a slot is asked of the daemon, not of its cached addresses"
+        answer = answers[min(polls, len(answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def p2p():
+        return SimpleNamespace(get_visible_maddrs=get_visible_maddrs)
+
+    server = object.__new__(StageServer)  # its daemon only
+    server.sdht = SimpleNamespace(p2p=p2p)
+    with caplog.at_level(logging.INFO, logger="swarm.server"):
+        await server._wait_for_relay_slot()
+    assert polls == 3 and "a relay holds a slot for us after" in caplog.text and relay in caplog.text
+
+    answers[:] = [["/ip4/192.168.7.2/tcp/5/p2p/QmUs"]]
+    started = asyncio.get_running_loop().time()
+    await server._wait_for_relay_slot()
+    assert 0.5 <= asyncio.get_running_loop().time() - started < 1.5
+    assert "no relay holds a slot for us after" in caplog.text
 
 
 def test_dual_stack_listens_on_both_families_and_ipv6_addresses_are_bracketed():
