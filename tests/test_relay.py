@@ -21,7 +21,7 @@ from dht.node import start_dht
 from dht.relay import check, echo_for, report
 from swarm.protocol import p2p as p2p_transport
 from swarm.protocol.p2p import P2PStub, serve
-from tests import netns
+from tests import holepunch_peer, netns
 from tests.conftest import wait_for
 
 
@@ -167,12 +167,15 @@ def test_a_trainer_reaches_a_home_peer_directly_through_its_nat_once_public_peer
     and the trainer's relayed dial ends in a direct connection through the NAT (hole punching, DCUtR): its 1 MiB
     calls come back whole, over `directly at /ip4/<router>/...`. With every peer at one address (as in the NAT
     test of tests/test_p2p_transport.py) or three, the calls stayed relayed for 60-90 s, so this is libp2p's rule,
-    not an accident of timing. libp2p tries once per relayed connection: when the trainer dialled before the home
+    not an accident of timing. The home node dials the observers itself before the trainer starts
+    (tests/holepunch_peer.py `_meet_the_observers`), and logs whom it is connected to. libp2p tries once per relayed
+    connection: when the trainer dialled before the home
     node trusted its address (CI, once: relayed for all of 150 s), the trainer's transport dials again once idle
     (swarm/protocol/p2p.py `_watch_path`; the caller here does it after 10 s)."""
     if reason := netns.unavailable():
         pytest.skip(reason)
-    observers, trainer = ("11.0.0.3", "11.0.0.4", "11.0.0.5"), "11.0.0.6"
+    observers = tuple(f"11.0.0.{3 + i}" for i in range(holepunch_peer.OBSERVERS))
+    trainer = f"11.0.0.{3 + len(observers)}"
     with netns.home_router() as net:
         for address in (*observers, trainer):
             net.add_wan_host(address)
