@@ -160,3 +160,106 @@ def replay_step(
         if not _close(p, after[i], float((p - before[i]).abs().max())):
             return f"parameter {i} is not where one step on its implied gradient takes it", grads
     return None, grads
+
+
+def moment_ratio_bound(beta1: float, beta2: float, step: int) -> float:
+    """Pure. The largest |m| / sqrt(v) any `step` gradients leave in Adam's moments (m = (1 - beta1) sum beta1^i
+    g_i, v = (1 - beta2) sum beta2^i g_i^2, from zero): Cauchy-Schwarz gives (1 - beta1) / sqrt(1 - beta2) x
+    sqrt(sum_{i < step} (beta1^2 / beta2)^i), reached by one gradient sequence. Averaging moments keeps it (Jensen)."""
+    r = beta1 * beta1 / beta2
+    terms = step if r == 1 else (1 - r**step) / (1 - r)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(terms, 1.0))
+
+
+def update_ratio_bound(beta1: float, beta2: float, first: int, last: int) -> float:
+    """Pure. The largest |m_hat| / sqrt(v_hat) (bias-corrected: what AdamW and LAMB step by, before eps) at any
+    step count from `first` to `last`: `moment_ratio_bound` x sqrt(1 - beta2^t) / (1 - beta1^t)."""
+    return max(
+        moment_ratio_bound(beta1, beta2, t) * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        for t in range(max(first, 1), max(last, first, 1) + 1)
+    )
+
+
+BOUND_RTOL = 1e-3  # of a bound on a state some steps on: the slack rounding gets
+
+
+def not_within_steps(
+    name: str,
+    before: Sequence[torch.Tensor],
+    before_state: dict[int, dict],
+    groups: list[dict],
+    after: Sequence[torch.Tensor],
+    after_state: dict[int, dict],
+    steps: int,
+    max_grad_norm: float,
+    skip: Iterable[int] = (),
+) -> str | None:
+    """Pure. Why `after` (parameters, optimizer state by parameter index) cannot be `steps` steps of optimizer `name`
+    (`groups`: our hyperparameters, with the peak learning rate as "initial_lr" or "lr") from `before` on gradients of
+    norm at most `max_grad_norm` (all parameters but `skip` together; inf: any), or None if it can. For a state too
+    far on to replay (`replay_step` takes one step): no step is replayed, but no step can leave what is refused here.
+
+    Per parameter, j = its step count's rise, 0 <= j <= `steps` (0: it and its state unchanged). Its moments: v
+    decays no faster than beta2^j, and |m| <= `moment_ratio_bound` x sqrt(v) (true of every state gradients made);
+    over all parameters, sum(v - beta2^j v0) <= steps (1 - beta2) G^2 and ||m - beta1^j m0|| <= steps (1 - beta1) G.
+    Its parameters: AdamW moves each value by at most lr (`update_ratio_bound` + weight_decay |w|) a step; LAMB each
+    tensor by at most lr ||w|| a step (its trust ratio), so (1 + lr)^j - 1 of (||w|| + sqrt(n) x the ratio bound).
+    So a peer that lies about how far it stepped moves us no further than that many steps of its choosing could, and
+    leaves moments our next steps can live with (a huge m over a tiny v would make them huge). A malformed state may
+    raise."""
+    skipped = set(skip)
+    beta1, beta2 = (float(b) for b in groups[0]["betas"])
+    lr = float(groups[0].get("initial_lr", groups[0]["lr"]))
+    decay = float(groups[0].get("weight_decay", 0.0))
+    v_rise = m_shift = 0.0
+    for i, (old, new) in enumerate(zip(before, after, strict=True)):
+        if i in skipped:
+            continue
+        if new.shape != old.shape:
+            return f"parameter {i} has shape {tuple(new.shape)}, not {tuple(old.shape)}"
+        claimed, held = after_state.get(i, {}), before_state.get(i, {})
+        t0 = int(float(held.get("step", 0)))
+        j = int(float(claimed.get("step", 0))) - t0
+        if not 0 <= j <= steps or float(claimed.get("step", 0)) != t0 + j:
+            return f"parameter {i} claims step {claimed.get('step')} where {steps} steps from {t0} give at most {t0 + steps}"
+        if j == 0:
+            if not torch.equal(new, old) or not _same_state(claimed, held):
+                return f"parameter {i} or its optimizer state changed without a step"
+            continue
+        m, v = claimed.get(MOMENTS[0]), claimed.get(MOMENTS[1])
+        if (
+            not isinstance(m, torch.Tensor)
+            or not isinstance(v, torch.Tensor)
+            or m.shape != old.shape
+            or v.shape != old.shape
+        ):
+            return f"parameter {i} stepped without both moments of its shape"
+        m, v = m.double(), v.double()
+        m0 = held[MOMENTS[0]].double() if MOMENTS[0] in held else torch.zeros_like(m)
+        v0 = held[MOMENTS[1]].double() if MOMENTS[1] in held else torch.zeros_like(v)
+        tiny = torch.finfo(torch.float32).tiny
+        if bool((v < beta2**j * v0 * (1 - BOUND_RTOL) - tiny).any()):
+            return f"parameter {i}'s second moments fell faster than {j} steps let them"
+        ratio = moment_ratio_bound(beta1, beta2, t0 + j)
+        # slack for gradients so small that their squares underflow (and m over v's eps at most 1e-9 of the largest m)
+        if bool((m.abs() > ratio * v.sqrt() * (1 + BOUND_RTOL) + 1e-9 * float(m.abs().max()) + tiny).any()):
+            return f"parameter {i}'s first moments exceed what any gradients give beside its second moments"
+        v_rise += float((v - beta2**j * v0).sum())
+        m_shift += float((m - beta1**j * m0).square().sum())
+        step = update_ratio_bound(beta1, beta2, t0 + 1, t0 + j)
+        moved, slack = new.double() - old.double(), REPLAY_ULPS * torch.finfo(old.dtype).eps * float(old.abs().max())
+        if name == "lamb":
+            room = ((1 + lr) ** j - 1) * (float(old.double().norm()) + math.sqrt(old.numel()) * step)
+            too_far = float(moved.norm()) > room * (1 + BOUND_RTOL) + slack
+        else:
+            reach = j * lr * step
+            room_each = reach + ((1 + lr * decay) ** j - 1) * (old.double().abs() + reach)
+            too_far = bool((moved.abs() > room_each * (1 + BOUND_RTOL) + slack).any())
+        if too_far:
+            return f"parameter {i} moved further than {j} steps can take it"
+    if math.isfinite(max_grad_norm):
+        if v_rise > steps * (1 - beta2) * max_grad_norm**2 * (1 + BOUND_RTOL):
+            return f"its second moments grew more than {steps} steps on gradients of norm {max_grad_norm:.3g} can"
+        if math.sqrt(m_shift) > steps * (1 - beta1) * max_grad_norm * (1 + BOUND_RTOL):
+            return f"its first moments moved more than {steps} steps on gradients of norm {max_grad_norm:.3g} can"
+    return None

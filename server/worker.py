@@ -31,7 +31,7 @@ import torch
 
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
-from server.optim import MOMENTS, build_optimizer, build_schedule, replay_step
+from server.optim import MOMENTS, build_optimizer, build_schedule, not_within_steps, replay_step
 from swarm.devices import synchronize
 from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
@@ -644,6 +644,27 @@ class StageWorker:
         if norm > limit:
             return f"it stepped on a gradient of norm {norm:.3g}, above the gradient guard's limit {limit:.3g}"
         return None
+
+    def not_within_steps_of_ours(self, meta: dict, tensors: list[torch.Tensor], steps: int) -> str | None:
+        """Compute thread. Why a downloaded state (`state_tensors`' form) `steps` versions past ours (0, or 2 and
+        more: too far to replay, as `not_one_step_from_ours` does one step) cannot be ours after that many steps on
+        gradients a step may hold (`server/optim.py` `not_within_steps`), or None if it can. The tied weight is not
+        checked. Raises as `not_one_step_from_ours` does."""
+        params, state = self._parsed(meta, tensors)
+        clip = self.optim_cfg.clip_grad_norm
+        with self.state_lock:
+            opt = self.optimizer.state_dict()
+            return not_within_steps(
+                self.optim_cfg.optimizer,
+                [p.detach().cpu() for p in self.params],
+                _on_cpu(opt["state"]),
+                opt["param_groups"],
+                [t.cpu() for t in params],
+                _on_cpu(state),
+                steps,
+                clip if clip > 0 else self.guard.limit(),
+                () if self.tied_index is None else (self.tied_index,),
+            )
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""

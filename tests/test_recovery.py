@@ -3,6 +3,7 @@ reference that is waited for can freeze: the others must not wait for it for as 
 
 import asyncio
 import functools
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import REFUSED_EPOCHS, StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
-from server.optim import _close, build_optimizer, replay_step
+from server.optim import _close, build_optimizer, moment_ratio_bound, not_within_steps, replay_step
 from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
@@ -610,13 +611,14 @@ def test_a_reference_whose_state_is_not_one_honest_step_from_ours_is_refused_and
         ours.shutdown(), reference.shutdown()
 
 
-@pytest.mark.parametrize("steps", [2, 0])
-def test_a_reference_at_another_version_is_copied_as_before_and_not_refused(steps):
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+@pytest.mark.parametrize("steps", [2, 3, 0])
+def test_an_honest_reference_at_another_version_is_copied_and_not_refused(steps, optimizer):
     """An honest reference may be a step further by the time we ask (it ended the next epoch too: half the copies in
-    a soak), or have ended the epoch without a step (its step skipped): its state cannot be replayed on ours. It is
-    loaded as before the replay existed: leaving the epoch open instead kept the peer serving the next global batch
-    at the old version (CI: a stage-1 microbatch of global batch 1 at version 0)."""
-    ours, reference = twin_workers()
+    a soak), or have ended the epoch without a step (its step skipped): its state cannot be replayed on ours, but it
+    is within reach of ours in that many steps, and is loaded (leaving the epoch open instead kept the peer serving
+    the next global batch at the old version: CI, a stage-1 microbatch of global batch 1 at version 0)."""
+    ours, reference = twin_workers(optimizer)
     try:
         for _ in range(steps):
             reference.apply_gradients([0.01 * torch.randn_like(p) for p in reference.params], end_epoch=True)
@@ -629,6 +631,93 @@ def test_a_reference_at_another_version_is_copied_as_before_and_not_refused(step
         assert not peers.refused and ours.digest() == reference.digest()
     finally:
         ours.shutdown(), reference.shutdown()
+
+
+@pytest.mark.parametrize(
+    "how", ["parameters of its own", "a huge first moment", "shrunk second moments", "steps it did not take",
+            "a changed state with no step", "behind our version", "huge gradients"]
+)  # fmt: skip
+def test_a_reference_claiming_another_version_is_held_to_what_that_many_steps_can_do(how):
+    """A liar that claims to be two steps on (or none) is not replayed, and was loaded on its word: any parameters
+    at all. Now its state must be within reach of ours in that many steps: each value moved by at most the
+    optimizer's largest step, moments that gradients of norm --clip-grad-norm could leave, a step count that many
+    steps give, nothing changed without a step, no version behind ours. Refused like a lying one-step reference."""
+    ours, reference = twin_workers()
+    try:
+        versions = 0 if how == "a changed state with no step" else 2
+        grads = [0.01 * torch.randn_like(p) for p in reference.params]
+        if how == "huge gradients":  # two honest steps, each on a gradient 1000 x --clip-grad-norm (no clipping)
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            grads = [g * (1000 / total) for g in grads]
+        for _ in range(versions):
+            with reference.changing_state():
+                for p, g in zip(reference.params, grads, strict=True):
+                    p.grad = g
+                reference.optimizer.step()
+                reference.param_version += 1
+        with reference.changing_state(), torch.no_grad():
+            reference.epoch += 1
+            state = reference.optimizer.state[reference.params[0]]
+            if how == "parameters of its own":  # two steps' worth of state, but weights of its choosing
+                reference.params[0].mul_(-1)
+            elif how == "a huge first moment":  # its next steps would be huge: m far above sqrt(v)
+                state["exp_avg"].fill_(1.0)
+            elif how == "shrunk second moments":  # its next steps would be huge: v gone
+                state["exp_avg_sq"].mul_(1e-6)
+            elif how == "steps it did not take":
+                state["step"] += 5
+            elif how == "a changed state with no step":
+                reference.params[0].add_(1e-3)
+            elif how == "behind our version":
+                reference.param_version = ours.param_version - 1
+        recovery, peers = copier(ours, reference)
+        before = ours.digest()
+        grads = [torch.zeros_like(p) for p in ours.params]
+        assert recovery.after_failed_round(grads, 4) is grads
+        assert peers.refused == {"a"} and ours.digest() == before
+    finally:
+        ours.shutdown(), reference.shutdown()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_one_reaches_them(optimizer):
+    """`not_within_steps` against honest states k steps on, of gradient sequences built to reach its bounds: one
+    gradient of norm G, then ones falling as (beta1 / beta2)^i (the sequence that makes |m| / sqrt(v) largest), signs
+    flipping, zeros, a parameter left without a gradient. None is refused; the bound on |m| / sqrt(v) is met within
+    rounding by the worst sequence, so it is no looser than it must be."""
+    torch.manual_seed(3)
+    beta1, beta2 = 0.9, 0.999
+    t = 40
+    worst = [(beta1 / beta2) ** (t - 1 - i) for i in range(t)]
+    m = sum((1 - beta1) * beta1 ** (t - 1 - i) * g for i, g in enumerate(worst))
+    v = sum((1 - beta2) * beta2 ** (t - 1 - i) * g * g for i, g in enumerate(worst))
+    assert m / math.sqrt(v) == pytest.approx(moment_ratio_bound(beta1, beta2, t), rel=1e-9)
+    for sequence in ("worst", "random", "flipping", "zeros"):
+        params = [torch.randn(8, 4), torch.randn(4), torch.randn(3)]
+        optimizer_ = build_optimizer(optimizer, params, lr=2e-3, weight_decay=0.01)
+        history = []
+        for step in range(12):
+            g = {"worst": worst[-12 + step], "random": 1.0, "flipping": (-1) ** step, "zeros": float(step % 3 != 0)}
+            grads = [g[sequence] * torch.randn_like(p) for p in params[:2]]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])))
+            for p, x in zip(params, grads, strict=False):
+                p.grad = x / max(norm, 1e-12)  # norm 1: --clip-grad-norm 1
+            optimizer_.step()
+            history.append(
+                (
+                    [p.clone() for p in params],
+                    {i: {k: x.clone() for k, x in s.items()} for i, s in optimizer_.state_dict()["state"].items()},
+                )
+            )
+        groups = optimizer_.state_dict()["param_groups"]
+        for first in (2, 5):
+            for k in (0, 1, 2, 3, 6):
+                (before, before_state), (after, after_state) = history[first], history[first + k]
+                why = not_within_steps(optimizer, before, before_state, groups, after, after_state, k, 1.0 + 1e-6)
+                assert why is None, (sequence, first, k, why)
+        # and one step too few for what happened is refused
+        (before, before_state), (after, after_state) = history[2], history[5]
+        assert not_within_steps(optimizer, before, before_state, groups, after, after_state, 2, 1.0) is not None
 
 
 def test_replaying_a_step_finds_the_gradient_it_took_and_leaves_its_inputs_alone():

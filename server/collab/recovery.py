@@ -35,7 +35,9 @@ VOUCHERS = 4  # other peers of the stage asked whether they hold a state downloa
 
 class NotOneStep(Exception):
     """A state downloaded from the peer that stepped alone after a failed round, one version past ours, is not our
-    state after one step on an honest gradient (`StageWorker.not_one_step_from_ours`), or is malformed."""
+    state after one step on an honest gradient (`StageWorker.not_one_step_from_ours`); at another version, it is
+    behind ours or out of reach of ours in that many steps (`StageWorker.not_within_steps_of_ours`); or it is
+    malformed."""
 
 
 class Unvouched(ValueError):
@@ -345,8 +347,8 @@ class Recovery:
         no longer a live peer of the stage, or at `deadline`. `checked`: we hold the state it stepped from (a failed
         round of `epoch`, not stepped): raises NotOneStep unless a state one version past ours is ours after one
         honest step. A state of another version (a step further already: half the copies in a soak; or none, its
-        step skipped) cannot be replayed and is loaded as before: an epoch left open instead kept the peer serving
-        the next global batch at the old version (CI)."""
+        step skipped) cannot be replayed: it must be within reach of ours in that many steps, and is loaded then (an
+        epoch left open instead kept the peer serving the next global batch at the old version, CI)."""
         probed = time.monotonic()
         while time.monotonic() < deadline and reference in self.peers.peers:
             if time.monotonic() - probed > PROBE_S:  # nobody else may be calling it meanwhile: is it frozen?
@@ -373,12 +375,18 @@ class Recovery:
 
     def _check_one_step(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Compute thread: raises NotOneStep if a downloaded state one version past ours is not ours after one honest
-        step, or is malformed (the sender's fault alike)."""
+        step, if one at another version is behind ours or further from ours than that many steps can take it
+        (`StageWorker.not_within_steps_of_ours`: an honest reference a step further already, or whose step was
+        skipped, passes; a liar claiming either is held to it), or if it is malformed (the sender's fault alike)."""
         try:
-            if int(meta["param_version"]) != self.worker.param_version + 1:
-                return
+            steps = int(meta["param_version"]) - self.worker.param_version
             worker_tensors, _ = self.averager.split_state(meta, tensors)  # the low-rank factors are not checked
-            why = self.worker.not_one_step_from_ours(meta, worker_tensors)
+            if steps == 1:
+                why = self.worker.not_one_step_from_ours(meta, worker_tensors)
+            elif steps < 0:
+                why = f"it is at version {meta['param_version']}, behind ours ({self.worker.param_version})"
+            else:  # a step further already, or its step skipped: bounded, not replayed
+                why = self.worker.not_within_steps_of_ours(meta, worker_tensors, steps)
         except Exception as e:
             why = f"malformed state: {e!r}"
         if why is not None:
