@@ -391,6 +391,9 @@ class Recovery:
             why = f"malformed state: {e!r}"
         if why is not None:
             raise NotOneStep(why)
+        if steps != 1:
+            logger.info("stage %d: the state is %d versions past ours, within reach of ours in that many steps",
+                        self.stage, steps)  # fmt: skip
 
     def _probe(self, peer_id: str) -> None:
         """Compute thread: asks `peer_id` whether it answers (the stage drops it if not); waits at most the peer
