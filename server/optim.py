@@ -181,6 +181,7 @@ def update_ratio_bound(beta1: float, beta2: float, first: int, last: int) -> flo
 
 
 BOUND_RTOL = 1e-3  # of a bound on a state some steps on: the slack rounding gets
+MAX_BOUNDED_STEPS = 100  # a state further on than this is refused: its bound would say little (and cost time)
 
 
 def not_within_steps(
@@ -207,16 +208,18 @@ def not_within_steps(
     So a peer that lies about how far it stepped moves us no further than that many steps of its choosing could, and
     leaves moments our next steps can live with (a huge m over a tiny v would make them huge). A malformed state may
     raise."""
+    if not 0 <= steps <= MAX_BOUNDED_STEPS:
+        return f"it claims {steps} steps past ours, more than the {MAX_BOUNDED_STEPS} a copy takes on bounds"
     skipped = set(skip)
     beta1, beta2 = (float(b) for b in groups[0]["betas"])
     lr = float(groups[0].get("initial_lr", groups[0]["lr"]))
     decay = float(groups[0].get("weight_decay", 0.0))
     v_rise = m_shift = 0.0
     for i, (old, new) in enumerate(zip(before, after, strict=True)):
-        if i in skipped:
-            continue
         if new.shape != old.shape:
             return f"parameter {i} has shape {tuple(new.shape)}, not {tuple(old.shape)}"
+        if i in skipped or not old.numel():
+            continue
         claimed, held = after_state.get(i, {}), before_state.get(i, {})
         t0 = int(float(held.get("step", 0)))
         j = int(float(claimed.get("step", 0))) - t0

@@ -715,9 +715,11 @@ def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_on
                 (before, before_state), (after, after_state) = history[first], history[first + k]
                 why = not_within_steps(optimizer, before, before_state, groups, after, after_state, k, 1.0 + 1e-6)
                 assert why is None, (sequence, first, k, why)
-        # and one step too few for what happened is refused
+        # and one step too few for what happened is refused, as is a claim too far on to bound (nor worth the time)
         (before, before_state), (after, after_state) = history[2], history[5]
         assert not_within_steps(optimizer, before, before_state, groups, after, after_state, 2, 1.0) is not None
+        far = not_within_steps(optimizer, before, before_state, groups, after, after_state, 10**9, 1.0)
+        assert far is not None and "more than the" in far
 
 
 def test_replaying_a_step_finds_the_gradient_it_took_and_leaves_its_inputs_alone():
