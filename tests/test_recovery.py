@@ -152,8 +152,9 @@ def test_a_lone_step_starts_a_lineage_of_its_own_and_a_downloaded_state_brings_i
 
 
 def test_peers_of_two_lineages_agree_on_one_reference():
-    """server/collab/progress.py: the smallest peer id at the epoch, us included, is the reference; a peer copies it
-    only if it holds another lineage; peers at other epochs, or that left, do not count."""
+    """server/collab/progress.py: the lineage most peers at the epoch hold, us included, is kept (ties: the smallest
+    peer id's), and its smallest peer id is the reference; a peer copies it only if it holds another lineage; peers
+    at other epochs, or that left, do not count."""
 
     def peer(me: str, lineages: dict[str, tuple[int, str]]) -> StagePeers:
         peers = StagePeers(SimpleNamespace(peer_id=me, p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
@@ -163,8 +164,9 @@ def test_peers_of_two_lineages_agree_on_one_reference():
         return peers
 
     ours, theirs = "0" * 16, "f" * 16
-    assert peer("b", {"a": (3, theirs), "c": (3, ours)}).lineage_reference(3, ours) == "a"
-    assert peer("c", {"a": (3, theirs), "b": (3, ours)}).lineage_reference(3, ours) == "a"
+    assert peer("b", {"a": (3, theirs)}).lineage_reference(3, ours) == "a", "one each: the smallest id's"
+    assert peer("c", {"a": (3, theirs), "b": (3, theirs)}).lineage_reference(3, ours) == "a", "two against one"
+    assert peer("b", {"a": (3, theirs), "c": (3, ours)}).lineage_reference(3, ours) is None, "a copies us"
     assert peer("c", {"a": (3, ours), "b": (3, theirs)}).lineage_reference(3, ours) is None, "b copies a: we hold a's"
     assert peer("a", {"b": (3, theirs)}).lineage_reference(3, ours) is None, "we are the reference"
     assert peer("b", {"a": (2, theirs)}).lineage_reference(3, ours) is None, "a is at another epoch"
@@ -174,6 +176,14 @@ def test_peers_of_two_lineages_agree_on_one_reference():
     # delayed steps: a peer reports the next epoch as soon as it takes its gradients
     assert peer("b", {"a": (4, theirs)}).lineage_reference(3, ours, moved_on=True) == "a"
     assert peer("b", {"a": (5, theirs)}).lineage_reference(3, ours, moved_on=True) is None, "two epochs on"
+    # one peer with a lineage of its own and the smallest id (a liar's ground key) against two that share one: the
+    # two keep theirs (it used to be copied by both, unchecked), and it is the one to copy
+    liar = "1" * 16
+    assert peer("b", {"0": (3, liar), "c": (3, ours)}).lineage_reference(3, ours) is None
+    assert peer("c", {"0": (3, liar), "b": (3, ours)}).lineage_reference(3, ours) is None
+    assert peer("0", {"b": (3, ours), "c": (3, ours)}).lineage_reference(3, liar) == "b"
+    # three lineages, one peer each (every peer stepped alone): the smallest peer id's, as before
+    assert peer("c", {"a": (3, liar), "b": (3, theirs)}).lineage_reference(3, ours) == "a"
 
 
 def test_with_delayed_steps_a_round_is_over_once_every_peer_says_it_averaged_that_epoch():

@@ -404,9 +404,13 @@ class StagePeers:
 
     def lineage_reference(self, epoch: int, lineage: str, moved_on: bool = False) -> str | None:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
-        lineage (some stepped alone, not knowing of the others): the smallest peer id at `epoch`, us included, unless
-        that is us or it holds our lineage. Every peer names the same reference. `moved_on`: peers that already report
-        the next epoch count too (delayed steps: a peer reports it as soon as it takes its gradients)."""
+        lineage (some stepped alone, not knowing of the others): the smallest peer id of the lineage most of the peers
+        at `epoch` hold, us included (ties: the lineage of the smallest peer id), unless that lineage is ours. Every
+        peer names the same reference, and the fewest peers copy. A copy takes the reference's word (its history is
+        not ours to check), so the majority is what keeps one peer that announces a lineage of its own, with a peer id
+        ground to be the smallest, from handing every peer of the stage parameters of its choice: it can only win a
+        tie, where every honest peer stepped alone. `moved_on`: peers that already report the next epoch count too
+        (delayed steps: a peer reports it as soon as it takes its gradients)."""
         epochs = (epoch, epoch + 1) if moved_on else (epoch,)
         distrusted = self.distrusted(epoch)
         same = {
@@ -414,10 +418,11 @@ class StagePeers:
             for p, (e, line) in dict(self.lineages).items()
             if e in epochs and p in self.peers and p not in distrusted
         }
-        reference = min([self.sdht.peer_id, *same])
-        if reference == self.sdht.peer_id or same[reference] == lineage:
-            return None
-        return reference
+        holders: dict[str, list[str]] = {lineage: [self.sdht.peer_id]}
+        for p, line in same.items():
+            holders.setdefault(line, []).append(p)
+        most = min(holders, key=lambda line: (-len(holders[line]), min(holders[line])))
+        return None if most == lineage else min(holders[most])
 
     def members(self) -> list[str]:
         """The libp2p ids of every peer the DHT lists, or listed, on this stage (signed records): the only peers our
