@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -622,19 +623,10 @@ class StageWorker:
         must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
         limit. The tied weight is not checked (its round replaces its state before the step), nor the version (the
         caller's). Raises ValueError as `load_state` does for a state that does not fit, others for a malformed one."""
-        params, state = self._parsed(meta, tensors)
         skip = () if self.tied_index is None else (self.tied_index,)
-        with self.state_lock:
-            opt = self.optimizer.state_dict()
-            why, grads = replay_step(
-                self.optim_cfg.optimizer,
-                [p.detach().cpu() for p in self.params],
-                _on_cpu(opt["state"]),
-                opt["param_groups"],
-                [t.cpu() for t in params],
-                _on_cpu(state),
-                skip,
-            )
+        why, grads = self._beside_ours(
+            meta, tensors, functools.partial(replay_step, self.optim_cfg.optimizer, skip=skip)
+        )
         if why is not None:
             return why
         rest = [g for i, g in enumerate(grads) if i != self.tied_index]
@@ -650,21 +642,25 @@ class StageWorker:
         more: too far to replay, as `not_one_step_from_ours` does one step) cannot be ours after that many steps on
         gradients a step may hold (`server/optim.py` `not_within_steps`), or None if it can. The tied weight is not
         checked. Raises as `not_one_step_from_ours` does."""
+        clip, name = self.optim_cfg.clip_grad_norm, self.optim_cfg.optimizer
+        check = functools.partial(
+            not_within_steps,
+            name,
+            steps=steps,
+            max_grad_norm=clip if clip > 0 else self.guard.limit(),
+            skip=() if self.tied_index is None else (self.tied_index,),
+        )
+        return self._beside_ours(meta, tensors, check)
+
+    def _beside_ours(self, meta: dict, tensors: list[torch.Tensor], check: Callable[..., R]) -> R:
+        """Compute thread. `check`(our parameters, our optimizer state, our param groups, the state's parameters, its
+        optimizer state), all on the CPU, under the state lock: how server/optim.py's checks see a downloaded state
+        (`state_tensors`' form) beside ours. Raises ValueError as `load_state` does for a state that does not fit."""
         params, state = self._parsed(meta, tensors)
-        clip = self.optim_cfg.clip_grad_norm
         with self.state_lock:
             opt = self.optimizer.state_dict()
-            return not_within_steps(
-                self.optim_cfg.optimizer,
-                [p.detach().cpu() for p in self.params],
-                _on_cpu(opt["state"]),
-                opt["param_groups"],
-                [t.cpu() for t in params],
-                _on_cpu(state),
-                steps,
-                clip if clip > 0 else self.guard.limit(),
-                () if self.tied_index is None else (self.tied_index,),
-            )
+            mine = [p.detach().cpu() for p in self.params]
+            return check(mine, _on_cpu(opt["state"]), opt["param_groups"], [t.cpu() for t in params], _on_cpu(state))
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""
