@@ -244,8 +244,10 @@ def not_within_steps(
         if bool((v < beta2**j * v0 * (1 - BOUND_RTOL) - tiny).any()):
             return f"parameter {i}'s second moments fell faster than {j} steps let them"
         ratio = moment_ratio_bound(beta1, beta2, t0 + j)
-        # slack for gradients so small that their squares underflow (and m over v's eps at most 1e-9 of the largest m)
-        if bool((m.abs() > ratio * v.sqrt() * (1 + BOUND_RTOL) + 1e-9 * float(m.abs().max()) + tiny).any()):
+        # slack for gradients so small that their squares underflow float32 (|g| ~ 1e-20: v denormal or 0 beside m),
+        # and a margin of 1e-9 of the largest m: neither lets m move a step beyond ~1e-19 / eps
+        m_room = ratio * (v + 1e-40).sqrt() * (1 + BOUND_RTOL) + 1e-9 * float(m.abs().max()) + tiny
+        if bool((m.abs() > m_room).any()):
             return f"parameter {i}'s first moments exceed what any gradients give beside its second moments"
         v_rise += float((v - beta2**j * v0).sum())
         m_shift += float((m - beta1**j * m0).square().sum())

@@ -581,13 +581,13 @@ class StageWorker:
         nothing. `with_state`: loads what is shared with the state (the downloaded state's low-rank factors) in the
         same change, once the state is checked and loaded, so that no reader sees the new parameters with the old
         factors (nor the new factors beside our parameters if the state is refused)."""
-        params, state = self._parsed(meta, tensors)
+        params, state, schedule = self._parsed(meta, tensors)
         with self.changing_state(), torch.no_grad():
             self._stash.clear()  # versions of another history: a backward that names one is recomputed as of now
             for p, t in zip(self.params, params, strict=True):
                 p.copy_(t)
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-            self.schedule.load_state_dict(meta["schedule"])
+            self.schedule.load_state_dict(schedule)
             self.param_version = int(meta["param_version"])
             self.epoch = int(meta.get("epoch", self.param_version))
             lineage = meta.get("lineage")  # a state without one (an older checkpoint) has a history of its own
@@ -595,9 +595,10 @@ class StageWorker:
             if with_state is not None:
                 with_state()
 
-    def _parsed(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, dict]]:
-        """A downloaded state (`state_tensors`' form) as (parameters, optimizer state by parameter index); raises
-        ValueError unless it fits this stage, holds our optimizer settings and is finite."""
+    def _parsed(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, dict], dict]:
+        """A downloaded state (`state_tensors`' form) as (parameters, optimizer state by parameter index, the schedule
+        state to load); raises ValueError unless it fits this stage, holds our optimizer settings and is finite: each
+        parameter's optimizer state of its shape, a step count of one number, the schedule ours at some position."""
         n = meta["n_params"]
         if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
             raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
@@ -612,8 +613,39 @@ class StageWorker:
             state.setdefault(int(idx), {})[key] = t
         for name, value in meta["scalars"].items():
             idx, key = name.split("/", 1)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"state's optimizer scalar {name} is {value!r}, not a finite number")
             state.setdefault(int(idx), {})[key] = value
-        return tensors[:n], state
+        for idx, slots in state.items():  # loaded as sent, a misfit would break our next step, every step after
+            if not 0 <= idx < n:
+                raise ValueError(f"state has optimizer state for parameter {idx} of {n}")
+            for key, value in slots.items():
+                want = () if key == "step" else tuple(self.params[idx].shape)
+                if isinstance(value, torch.Tensor) and tuple(value.shape) != want:
+                    raise ValueError(f"state's {key} of parameter {idx} has shape {tuple(value.shape)}, not {want}")
+        return tensors[:n], state, self._schedule_at(meta["schedule"])
+
+    def _schedule_at(self, theirs: object) -> dict:
+        """Our schedule's state at the position a downloaded state's schedule gives (its step counts and last
+        learning rates, checked); raises ValueError for one we could not be at. Nothing else of it is loaded: as
+        sent, a base rate of 1e6 set our next learning rates, a position of -10^6 a negative one (gradient ascent),
+        and a key of its own broke our next step."""
+        mine = self.schedule.state_dict()
+        if not isinstance(theirs, dict):
+            raise ValueError(f"state's schedule is {type(theirs).__name__}, not a dict")
+        position = {key: theirs.get(key) for key in ("last_epoch", "_step_count")}
+        for key, value in position.items():
+            if type(value) is not int or value < 0:
+                raise ValueError(f"state's schedule has {key} {value!r}, not a count")
+        last, peak = theirs.get("_last_lr"), max(g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups)
+        if (
+            not isinstance(last, list)
+            or len(last) != len(mine["_last_lr"])
+            or not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= peak for x in last)
+        ):
+            raise ValueError(f"state's schedule has last learning rates {str(last)[:80]}, not {len(mine['_last_lr'])} "
+                             f"within [0, {peak}]")  # fmt: skip
+        return {**mine, **position, "_last_lr": list(last)}
 
     def not_one_step_from_ours(self, meta: dict, tensors: list[torch.Tensor]) -> str | None:
         """Compute thread. Why a downloaded state (`state_tensors`' form) is not our state after one optimizer step on
@@ -656,7 +688,7 @@ class StageWorker:
         """Compute thread. `check`(our parameters, our optimizer state, our param groups, the state's parameters, its
         optimizer state), all on the CPU, under the state lock: how server/optim.py's checks see a downloaded state
         (`state_tensors`' form) beside ours. Raises ValueError as `load_state` does for a state that does not fit."""
-        params, state = self._parsed(meta, tensors)
+        params, state, _ = self._parsed(meta, tensors)
         with self.state_lock:
             opt = self.optimizer.state_dict()
             mine = [p.detach().cpu() for p in self.params]
@@ -674,7 +706,11 @@ class StageWorker:
             raise ValueError(
                 f"state has {len(groups) if isinstance(groups, list) else '?'} parameter groups, not {len(mine)}"
             )
-        for theirs, own in zip(groups, mine, strict=True):
+        indices = [group["params"] for group in self.optimizer.state_dict()["param_groups"]]
+        for theirs, own, ours in zip(groups, mine, indices, strict=True):
+            if not isinstance(theirs, dict) or theirs.get("params") != ours:  # torch maps state to parameters by these
+                raise ValueError(f"state's parameter group lists parameters {str(theirs.get('params'))[:80]}, "
+                                 f"not {str(ours)[:80]}" if isinstance(theirs, dict) else "state's group is no dict")  # fmt: skip
             differ = sorted(k for k in own if k not in ("params", "lr") and _plain(theirs.get(k)) != _plain(own[k]))
             if differ:
                 raise ValueError(

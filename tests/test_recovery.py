@@ -3,6 +3,7 @@ reference that is waited for can freeze: the others must not wait for it for as 
 
 import asyncio
 import functools
+import json
 import math
 import threading
 import time
@@ -702,16 +703,18 @@ def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_on
     m = sum((1 - beta1) * beta1 ** (t - 1 - i) * g for i, g in enumerate(worst))
     v = sum((1 - beta2) * beta2 ** (t - 1 - i) * g * g for i, g in enumerate(worst))
     assert m / math.sqrt(v) == pytest.approx(moment_ratio_bound(beta1, beta2, t), rel=1e-9)
-    for sequence in ("worst", "random", "flipping", "zeros"):
+    for sequence in ("worst", "random", "flipping", "zeros", "underflowing"):
         params = [torch.randn(8, 4), torch.randn(4), torch.randn(3)]
         optimizer_ = build_optimizer(optimizer, params, lr=2e-3, weight_decay=0.01)
         history = []
         for step in range(12):
             g = {"worst": worst[-12 + step], "random": 1.0, "flipping": (-1) ** step, "zeros": float(step % 3 != 0)}
-            grads = [g[sequence] * torch.randn_like(p) for p in params[:2]]
+            grads = [g.get(sequence, 1.0) * torch.randn_like(p) for p in params[:2]]
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])))
             for p, x in zip(params, grads, strict=False):
                 p.grad = x / max(norm, 1e-12)  # norm 1: --clip-grad-norm 1
+            if sequence == "underflowing":  # a tensor whose gradients' squares underflow float32 (v denormal or 0)
+                params[1].grad = torch.full_like(params[1], 1e-22)
             optimizer_.step()
             history.append(
                 (
@@ -730,6 +733,61 @@ def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_on
         assert not_within_steps(optimizer, before, before_state, groups, after, after_state, 2, 1.0) is not None
         far = not_within_steps(optimizer, before, before_state, groups, after, after_state, 10**9, 1.0)
         assert far is not None and "more than the" in far
+
+
+@pytest.mark.parametrize(
+    "how", ["schedule far back", "last rates above the peak", "parameters reordered", "a moment of another shape",
+            "a step of two values", "a scalar that is not a number", "state for a parameter we lack"]
+)  # fmt: skip
+def test_a_state_that_would_break_or_steer_our_next_steps_is_refused_whole(how):
+    """What a state carries besides parameters and moments was loaded as sent: a schedule position of -10^6 made our
+    learning rate negative (gradient ascent at 1e5 x the peak), a parameter group listing its parameters in another
+    order hung one parameter's moments on another (the next step raised, and every step after), moments of another
+    shape likewise. Each is refused (ValueError) and nothing of ours changes, on every path that loads a state
+    (joins, catch-ups, copies, checkpoints)."""
+    ours, other = twin_workers()
+    try:
+        meta, tensors = other.state_tensors()
+        meta = json.loads(json.dumps(meta))  # as it travels: lists for tuples
+        n = meta["n_params"]
+        if how == "schedule far back":
+            meta["schedule"]["last_epoch"] = -(10**6)
+        elif how == "last rates above the peak":
+            meta["schedule"]["_last_lr"] = [1e6]
+        elif how == "parameters reordered":
+            meta["param_groups"][0]["params"] = [1, 0, *range(2, n)]
+        elif how == "a moment of another shape":
+            slot = next(i for i, (_, key) in enumerate(meta["slots"]) if key == "exp_avg")
+            tensors[n + slot] = tensors[n + slot].flatten()[:1].clone()
+        elif how == "a step of two values":
+            slot = next(i for i, (_, key) in enumerate(meta["slots"]) if key == "step")
+            tensors[n + slot] = torch.tensor([4.0, 4.0])
+        elif how == "a scalar that is not a number":
+            meta["scalars"]["0/step"] = float("nan")
+        elif how == "state for a parameter we lack":
+            meta["scalars"][f"{n + 5}/step"] = 3.0
+        before = ours.digest()
+        with pytest.raises(ValueError):
+            ours.load_state(meta, tensors)
+        assert ours.digest() == before
+    finally:
+        ours.shutdown(), other.shutdown()
+
+
+def test_of_a_states_schedule_only_its_position_is_loaded():
+    """Base rates of 1e6 and a key our schedule lacks were loaded as sent (our next rate 1e6; every step after raised).
+    Now our schedule takes the state's position and last rates only: the next step runs at a rate within the peak."""
+    ours, other = twin_workers()
+    try:
+        meta, tensors = other.state_tensors()
+        meta["schedule"] = {**meta["schedule"], "base_lrs": [1e6], "optimizer": 1}
+        ours.load_state(meta, tensors)
+        assert ours.schedule.base_lrs == other.schedule.base_lrs
+        assert ours.schedule.last_epoch == other.schedule.last_epoch
+        ours.apply_gradients([0.01 * torch.randn_like(p) for p in ours.params], end_epoch=True)
+        assert ours.optimizer.param_groups[0]["lr"] <= OptimizerConfig().lr
+    finally:
+        ours.shutdown(), other.shutdown()
 
 
 def test_replaying_a_step_finds_the_gradient_it_took_and_leaves_its_inputs_alone():

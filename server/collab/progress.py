@@ -405,8 +405,8 @@ class StagePeers:
     def lineage_reference(self, epoch: int, lineage: str, moved_on: bool = False) -> str | None:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
         lineage (some stepped alone, not knowing of the others): the smallest peer id of the lineage most of the peers
-        at `epoch` hold, us included (ties: the lineage of the smallest peer id), unless that lineage is ours. Every
-        peer names the same reference, and the fewest peers copy. A copy takes the reference's word (its history is
+        at `epoch` hold, us included (ties: the lineage of the smallest peer id), unless that lineage is ours. Peers
+        that see the same lineages name the same reference, and the fewest peers copy. A copy takes the reference's word (its history is
         not ours to check), so the majority is what keeps one peer that announces a lineage of its own, with a peer id
         ground to be the smallest, from handing every peer of the stage parameters of its choice: it can only win a
         tie, where every honest peer stepped alone. `moved_on`: peers that already report the next epoch count too
