@@ -646,7 +646,7 @@ def test_an_honest_reference_at_another_version_is_copied_and_not_refused(steps,
 
 @pytest.mark.parametrize(
     "how", ["parameters of its own", "a huge first moment", "shrunk second moments", "steps it did not take",
-            "a changed state with no step", "behind our version", "huge gradients"]
+            "a changed state with no step", "behind our version", "huge gradients", "more steps than epochs"]
 )  # fmt: skip
 def test_a_reference_claiming_another_version_is_held_to_what_that_many_steps_can_do(how):
     """A liar that claims to be two steps on (or none) is not replayed, and was loaded on its word: any parameters
@@ -667,7 +667,7 @@ def test_a_reference_claiming_another_version_is_held_to_what_that_many_steps_ca
                 reference.optimizer.step()
                 reference.param_version += 1
         with reference.changing_state(), torch.no_grad():
-            reference.epoch += 1
+            reference.epoch += max(versions, 1)  # a step an epoch at most
             state = reference.optimizer.state[reference.params[0]]
             if how == "parameters of its own":  # two steps' worth of state, but weights of its choosing
                 reference.params[0].mul_(-1)
@@ -681,6 +681,12 @@ def test_a_reference_claiming_another_version_is_held_to_what_that_many_steps_ca
                 reference.params[0].add_(1e-3)
             elif how == "behind our version":
                 reference.param_version = ours.param_version - 1
+            elif how == "more steps than epochs":  # two honest steps in two epochs, claimed as three
+                state["step"] += 1
+                reference.param_version += 1
+                for other in reference.params[1:]:
+                    if other in reference.optimizer.state:
+                        reference.optimizer.state[other]["step"] += 1
         recovery, peers = copier(ours, reference)
         before = ours.digest()
         grads = [torch.zeros_like(p) for p in ours.params]

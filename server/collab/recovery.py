@@ -385,6 +385,8 @@ class Recovery:
                 why = self.worker.not_one_step_from_ours(meta, worker_tensors)
             elif steps < 0:
                 why = f"it is at version {meta['param_version']}, behind ours ({self.worker.param_version})"
+            elif steps > (epochs := int(meta["epoch"]) - self.worker.epoch):  # a step an epoch at most (we were at one)
+                why = f"it claims {steps} steps in {epochs} epochs"
             else:  # a step further already, or its step skipped: bounded, not replayed
                 why = self.worker.not_within_steps_of_ours(meta, worker_tensors, steps)
         except Exception as e:
