@@ -3,6 +3,7 @@ identical by stepping on identical averaged gradients (server/collab/)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -99,6 +100,13 @@ def _same_state(a: dict, b: dict) -> bool:
     return True
 
 
+def _changed_without_step(i: int, old: torch.Tensor, new: torch.Tensor, held: dict, claimed: dict) -> str | None:
+    """Why parameter `i`, whose step count did not move, is not as it was (value or optimizer state), or None."""
+    if not torch.equal(new, old) or not _same_state(claimed, held):
+        return f"parameter {i} or its optimizer state changed without a step"
+    return None
+
+
 def replay_step(
     name: str,
     before: Sequence[torch.Tensor],
@@ -132,8 +140,8 @@ def replay_step(
             continue
         claimed, held = after_state.get(i, {}), own.get(i, {})
         if float(claimed.get("step", 0)) == float(held.get("step", 0)):  # this parameter did not step
-            if not torch.equal(after[i], before[i]) or not _same_state(claimed, held):
-                return f"parameter {i} or its optimizer state changed without a step", grads
+            if why := _changed_without_step(i, before[i], after[i], held, claimed):
+                return why, grads
             continue
         first = claimed.get(MOMENTS[0])
         if not isinstance(first, torch.Tensor) or first.shape != p.shape:
@@ -171,6 +179,7 @@ def moment_ratio_bound(beta1: float, beta2: float, step: int) -> float:
     return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(max(terms, 1.0))
 
 
+@functools.cache  # the same few (first, last) for every parameter of a state
 def update_ratio_bound(beta1: float, beta2: float, first: int, last: int) -> float:
     """Pure. The largest |m_hat| / sqrt(v_hat) (bias-corrected: what AdamW and LAMB step by, before eps) at any
     step count from `first` to `last`: `moment_ratio_bound` x sqrt(1 - beta2^t) / (1 - beta1^t)."""
@@ -227,8 +236,8 @@ def not_within_steps(
         if not 0 <= j <= steps or float(claimed.get("step", 0)) != t0 + j:
             return f"parameter {i} claims step {claimed.get('step')} where {steps} steps from {t0} give at most {t0 + steps}"
         if j == 0:
-            if not torch.equal(new, old) or not _same_state(claimed, held):
-                return f"parameter {i} or its optimizer state changed without a step"
+            if why := _changed_without_step(i, old, new, held, claimed):
+                return why
             continue
         m, v = claimed.get(MOMENTS[0]), claimed.get(MOMENTS[1])
         if (

@@ -708,9 +708,12 @@ class StageWorker:
             )
         indices = [group["params"] for group in self.optimizer.state_dict()["param_groups"]]
         for theirs, own, ours in zip(groups, mine, indices, strict=True):
-            if not isinstance(theirs, dict) or theirs.get("params") != ours:  # torch maps state to parameters by these
-                raise ValueError(f"state's parameter group lists parameters {str(theirs.get('params'))[:80]}, "
-                                 f"not {str(ours)[:80]}" if isinstance(theirs, dict) else "state's group is no dict")  # fmt: skip
+            if not isinstance(theirs, dict):
+                raise ValueError(f"state's parameter group is {type(theirs).__name__}, not a dict")
+            if theirs.get("params") != ours:  # torch hangs each parameter's state on the one these name
+                raise ValueError(
+                    f"state's parameter group lists {str(theirs.get('params'))[:80]}, not {str(ours)[:80]}"
+                )
             differ = sorted(k for k in own if k not in ("params", "lr") and _plain(theirs.get(k)) != _plain(own[k]))
             if differ:
                 raise ValueError(

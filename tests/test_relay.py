@@ -169,9 +169,9 @@ def test_a_trainer_reaches_a_home_peer_directly_through_its_nat_once_public_peer
     test of tests/test_p2p_transport.py) or three, the calls stayed relayed for 60-90 s, so this is libp2p's rule,
     not an accident of timing. The home node dials the observers itself before the trainer starts
     (tests/holepunch_peer.py `_meet_the_observers`), and logs whom it is connected to. libp2p tries once per relayed
-    connection: when the trainer dialled before the home
-    node trusted its address (CI, once: relayed for all of 150 s), the trainer's transport dials again once idle
-    (swarm/protocol/p2p.py `_watch_path`; the caller here does it after 10 s)."""
+    connection: when the trainer dialled before the home node trusted its address (CI, once: relayed for all of
+    150 s), the trainer's transport dials again once idle (swarm/protocol/p2p.py `_watch_path`; the caller here does
+    it after 20 s, up to 6 times)."""
     if reason := netns.unavailable():
         pytest.skip(reason)
     observers = tuple(f"11.0.0.{3 + i}" for i in range(holepunch_peer.OBSERVERS))

@@ -406,11 +406,11 @@ class StagePeers:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one
         lineage (some stepped alone, not knowing of the others): the smallest peer id of the lineage most of the peers
         at `epoch` hold, us included (ties: the lineage of the smallest peer id), unless that lineage is ours. Peers
-        that see the same lineages name the same reference, and the fewest peers copy. A copy takes the reference's word (its history is
-        not ours to check), so the majority is what keeps one peer that announces a lineage of its own, with a peer id
-        ground to be the smallest, from handing every peer of the stage parameters of its choice: it can only win a
-        tie, where every honest peer stepped alone. `moved_on`: peers that already report the next epoch count too
-        (delayed steps: a peer reports it as soon as it takes its gradients)."""
+        that see the same lineages name the same reference, and the fewest peers copy. A copy takes the reference's
+        word (its history is not ours to check), so the majority is what keeps one peer that announces a lineage of
+        its own, with a peer id ground to be the smallest, from handing every peer of the stage parameters of its
+        choice: it can only win a tie, where every honest peer stepped alone. `moved_on`: peers that already report
+        the next epoch count too (delayed steps: a peer reports it as soon as it takes its gradients)."""
         epochs = (epoch, epoch + 1) if moved_on else (epoch,)
         distrusted = self.distrusted(epoch)
         same = {
