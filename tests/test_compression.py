@@ -221,14 +221,15 @@ def test_stream_chunks_and_reassembles():
 
 def test_stream_rejects_malformed():
     x = encode_tensor("inputs", torch.randn(10, 10), get_codec("none"))
+    payload = bytes(x.payload)
     meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION)
     limits = Limits(max_tensor_bytes=1000, allowed_names=frozenset({"inputs"}))
     cases = {
         "first frame": [pb.Frame(data=b"x")],
         "exceeds": [pb.Frame(meta=meta, tensor=pb.TensorHeader(name="inputs", dtype=1, shape=[1000, 1000]))],
         "unexpected": [pb.Frame(meta=meta, tensor=pb.TensorHeader(name="weights", dtype=1, shape=[1]))],
-        "longer": [pb.Frame(meta=meta, tensor=x.header, data=x.payload + b"xx")],
-        "got 10": [pb.Frame(meta=meta, tensor=x.header, data=x.payload[:10])],
+        "longer": [pb.Frame(meta=meta, tensor=x.header, data=payload + b"xx")],
+        "got 10": [pb.Frame(meta=meta, tensor=x.header, data=payload[:10])],
         "protocol": [pb.Frame(meta=pb.CallMeta(protocol_version=99))],
     }
     for match, frames in cases.items():

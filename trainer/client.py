@@ -50,6 +50,8 @@ class StageReply:
         return None if self.encoded is None else decode_tensor(self.encoded, torch.device("cpu"))
 
 
+# an earlier reply's bytes sent on are framed (copied) on the event loop below this size, in the codec pool above it
+RELAY_ON_LOOP_BYTES = 1 << 20
 REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATION_GRADIENTS}
 
 
@@ -94,18 +96,6 @@ class StageClient:
         two stages is quantized once, by the stage that computed it, and the trainer never decodes it. Raises
         grpc.aio.AioRpcError, asyncio.TimeoutError or WireError."""
         loop = asyncio.get_running_loop()
-
-        def encode(name: str, t: torch.Tensor | EncodedTensor) -> EncodedTensor:
-            if isinstance(t, EncodedTensor):
-                return relayed(t, name)
-            return encode_tensor(name, t, self.policy.codec(role_of(name, t.dtype)))
-
-        if all(isinstance(t, EncodedTensor) for t in tensors.values()):
-            encoded = [encode(k, v) for k, v in tensors.items()]
-        else:
-            encoded = await loop.run_in_executor(self.pool, lambda: [encode(k, v) for k, v in tensors.items()])
-        for sent in encoded:
-            self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
         reply_codec = self.policy.codec(REPLY_ROLE[method])
         meta = pb.CallMeta(
             protocol_version=PROTOCOL_VERSION,
@@ -121,8 +111,26 @@ class StageClient:
             meta.admitted_by, meta.admission_signature = admission.signer, admission.signature
         if method == "Backward" and reply_codec.gradients_only and self.backward_epilogue < 1:
             meta.reply_epilogue = self.backward_epilogue
-        # frames are bytes both ways: swarm.protocol.frames encodes and parses them, copying each payload chunk once
-        call = self.channels.stub(address).method(method)(iter_frames(meta, encoded), timeout=timeout)
+
+        def encode(name: str, t: torch.Tensor | EncodedTensor) -> EncodedTensor:
+            if isinstance(t, EncodedTensor):
+                return relayed(t, name)
+            return encode_tensor(name, t, self.policy.codec(role_of(name, t.dtype)))
+
+        def frames() -> tuple[list[EncodedTensor], list[bytes]]:
+            encoded = [encode(k, v) for k, v in tensors.items()]
+            return encoded, list(iter_frames(meta, encoded))
+
+        # frames are bytes both ways (swarm.protocol.frames): each payload is copied once into its frames, here in the
+        # codec pool, not on the event loop, unless nothing is encoded and the bytes are few
+        few = sum(t.nbytes for t in tensors.values() if isinstance(t, EncodedTensor)) < RELAY_ON_LOOP_BYTES
+        if few and all(isinstance(t, EncodedTensor) for t in tensors.values()):
+            encoded, request = frames()
+        else:
+            encoded, request = await loop.run_in_executor(self.pool, frames)
+        for sent in encoded:
+            self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
+        call = self.channels.stub(address).method(method)(request, timeout=timeout)
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         enc: EncodedTensor | None = None
         if expect_shape is not None and not reply.tensors:

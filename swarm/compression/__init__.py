@@ -3,12 +3,14 @@
 from swarm.compression.base import (
     DTYPE_TO_WIRE,
     WIRE_TO_DTYPE,
+    Buffer,
     Codec,
     CodecContext,
     CodecError,
     TensorRole,
     bytes_to_tensor,
     tensor_to_bytes,
+    tensor_view,
 )
 from swarm.compression.blockwise import Blockwise8Codec
 from swarm.compression.plain import Float16Codec, NoneCodec
@@ -21,6 +23,7 @@ __all__ = [
     "DTYPE_TO_WIRE",
     "WIRE_TO_DTYPE",
     "Blockwise8Codec",
+    "Buffer",
     "Codec",
     "CodecContext",
     "CodecError",
@@ -32,4 +35,5 @@ __all__ = [
     "get_codec",
     "role_of",
     "tensor_to_bytes",
+    "tensor_view",
 ]

@@ -27,13 +27,21 @@ class CodecError(ValueError):
     """A payload that cannot be what its header says."""
 
 
+Buffer = bytes | bytearray | memoryview  # what a payload may be (collections.abc.Buffer is Python 3.12+)
+
+
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
-def bytes_to_tensor(
-    payload: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor:
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` without a copy where it is a contiguous CPU tensor (a copy otherwise). The view keeps the
+    memory alive; `t` must not change while the view is in use (a payload on its way: nothing writes to a tensor once
+    it is encoded for sending)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
+
+
+def bytes_to_tensor(payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if len(payload) == 0:
         return torch.empty(shape, dtype=dtype)
     if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):
@@ -95,16 +103,16 @@ class Codec(ABC):
     gradients_only = False
 
     @abstractmethod
-    def encode(self, t: torch.Tensor, ctx: CodecContext | None = None) -> tuple[bytes, bytes]:
+    def encode(self, t: torch.Tensor, ctx: CodecContext | None = None) -> tuple[bytes, Buffer]:
         """-> (codec parameters, payload). `t` may live on any device; the payload is host bytes."""
 
     @abstractmethod
     def decode(
-        self, header: pb.TensorHeader, payload: bytes | bytearray, device: torch.device, ctx: CodecContext | None = None
+        self, header: pb.TensorHeader, payload: Buffer, device: torch.device, ctx: CodecContext | None = None
     ) -> torch.Tensor:
         """Inverse of encode; raises CodecError if the parameters or the payload size disagree with the header."""
 
-    def value_bound(self, header: pb.TensorHeader, payload: bytes | bytearray) -> float | None:
+    def value_bound(self, header: pb.TensorHeader, payload: Buffer) -> float | None:
         """An upper bound on the magnitude of every value `decode` returns, read without decoding (after the checks
         `decode` makes of the parameters and the payload's size; raises CodecError like it). None where only
         decoding can tell (NaN and inf included)."""
@@ -116,6 +124,6 @@ class Codec(ABC):
         from codecs whose size depends on the shape (low-rank, top-k)."""
 
     @staticmethod
-    def _check_size(header: pb.TensorHeader, payload: bytes | bytearray, expected: int) -> None:
+    def _check_size(header: pb.TensorHeader, payload: Buffer, expected: int) -> None:
         if len(payload) != expected:
             raise CodecError(f"tensor {header.name!r}: payload is {len(payload)} bytes, its header implies {expected}")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecError, bytes_to_tensor, tensor_to_bytes
+from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecError, bytes_to_tensor, tensor_view
 from swarm.protocol import wire_pb2 as pb
 
 
@@ -14,7 +14,7 @@ class NoneCodec(Codec):
     wire, name = pb.CODEC_NONE, "none"
 
     def encode(self, t, ctx=None):
-        return b"", tensor_to_bytes(t)
+        return b"", tensor_view(t)
 
     def decode(self, header, payload, device, ctx=None):
         dtype, shape = WIRE_TO_DTYPE[header.dtype], tuple(header.shape)
@@ -30,7 +30,7 @@ class Float16Codec(Codec):
     wire, name = pb.CODEC_FLOAT16, "fp16"
 
     def encode(self, t, ctx=None):
-        return b"", tensor_to_bytes(t.to(torch.float16))
+        return b"", tensor_view(t.to(torch.float16))
 
     def decode(self, header, payload, device, ctx=None):
         shape = tuple(header.shape)

@@ -234,13 +234,15 @@ async def read_call(
     seconds. `on_meta(meta)` runs once the CallMeta has passed the checks here, before any payload is held: what it
     raises ends the read.
 
-    Frames are serialized, as they come off the wire (each payload is then copied once, into its tensor's buffer), or
-    already parsed `pb.Frame`s."""
+    Frames are serialized, as they come off the wire (no payload is copied here: each tensor keeps views into its
+    frames, joined where it is decoded), or already parsed `pb.Frame`s."""
     call: Call | None = None
     current: pb.TensorHeader | None = None
-    # grows with the data that arrives, up to the header's size (checked against the limits): a header that
-    # declares a large tensor and sends nothing reserves nothing
-    buf = bytearray()
+    # the current tensor's payload as it arrives, views into the frames (EncodedTensor joins them off the event loop):
+    # up to the header's size (checked against the limits), so a header that declares a large tensor and sends
+    # nothing holds nothing
+    pieces: list[memoryview] = []
+    got = 0
     taken = 0
     # held for the frame being read: gRPC receives a stream's next message into memory once it is asked for, so the
     # budget covers the streams being read, not only the payloads they hold
@@ -255,11 +257,11 @@ async def read_call(
     def finish() -> None:
         if current is not None:
             assert call is not None  # a tensor header is only accepted after the CallMeta
-            if len(buf) != current.payload_bytes:
+            if got != current.payload_bytes:
                 raise WireError(
-                    f"tensor {current.name!r}: got {len(buf)} payload bytes, header says {current.payload_bytes}"
+                    f"tensor {current.name!r}: got {got} payload bytes, header says {current.payload_bytes}"
                 )
-            call.tensors[current.name] = EncodedTensor(current, buf)
+            call.tensors[current.name] = EncodedTensor(current, pieces)
 
     try:
         async for message in _within(frames, idle_timeout, before_read):
@@ -282,21 +284,20 @@ async def read_call(
             if frame.HasField("tensor"):
                 finish()
                 _check_header(frame.tensor, limits, call.tensors)
-                current, buf = frame.tensor, bytearray()
+                current, pieces, got = frame.tensor, [], 0
             if len(data):
                 if current is None:
                     raise WireError("payload data before any tensor header")
-                if len(buf) + len(data) > current.payload_bytes:
+                if got + len(data) > current.payload_bytes:
                     raise WireError(
                         f"tensor {current.name!r}: payload longer than its header's {current.payload_bytes} bytes"
                     )
                 if budget is not None:
                     budget.take(len(data), caller)
                     taken += len(data)
-                buf += data
-            # the frame as it came off the wire is copied: let it go before waiting for the next, not after (each
-            # stream being read would hold a frame more than the budget counts)
-            del message, frame, data
+                pieces.append(data)  # holds the frame it came in: its payload, which the budget counts, and a header
+                got += len(data)
+            del message, frame, data  # not held while waiting for the next (the pieces hold what is kept)
         if call is None:
             raise WireError("empty stream")
         finish()

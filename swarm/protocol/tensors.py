@@ -5,11 +5,19 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
-from swarm.compression import CODECS_BY_WIRE, DTYPE_TO_WIRE, WIRE_TO_DTYPE, Codec, CodecContext, CodecError, NoneCodec
+from swarm.compression import (
+    CODECS_BY_WIRE,
+    DTYPE_TO_WIRE,
+    WIRE_TO_DTYPE,
+    Buffer,
+    Codec,
+    CodecContext,
+    CodecError,
+    NoneCodec,
+)
 from swarm.protocol import wire_pb2 as pb
 
 CPU = torch.device("cpu")
@@ -32,10 +40,35 @@ def check_values(x: torch.Tensor, name: str, bound: float) -> None:
         )
 
 
-@dataclass
 class EncodedTensor:
-    header: pb.TensorHeader
-    payload: bytes | bytearray
+    """A tensor as it travels: its header and payload bytes.
+
+    A received payload stays in the pieces it came in (views into the frames gRPC handed over) until something reads
+    `payload`, which joins them once: a receiver's event loop only collects pieces, and the one copy into contiguous
+    memory happens where the tensor is decoded (a server's compute thread, a trainer's codec pool)."""
+
+    __slots__ = ("header", "nbytes", "_payload", "_pieces")
+
+    def __init__(self, header: pb.TensorHeader, payload: Buffer | list[memoryview]):
+        self.header = header
+        self._payload: Buffer | None
+        self._pieces: list[memoryview] | None
+        if isinstance(payload, list):
+            self._payload, self._pieces = None, payload
+            self.nbytes = sum(len(piece) for piece in payload)
+        else:
+            self._payload, self._pieces = payload, None
+            self.nbytes = len(payload)
+
+    @property
+    def payload(self) -> Buffer:
+        if self._payload is None:
+            assert self._pieces is not None
+            # a bytearray: writable, so torch.frombuffer takes it without another copy. Set before the pieces go: a
+            # thread that reads at the same time joins them again, or finds this
+            self._payload = bytearray().join(self._pieces)
+            self._pieces = None
+        return self._payload
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -43,7 +76,7 @@ class EncodedTensor:
 
     @property
     def wire_bytes(self) -> int:
-        return len(self.payload) + self.header.ByteSize()
+        return self.nbytes + self.header.ByteSize()
 
 
 def encode_tensor(name: str, t: torch.Tensor, codec: Codec, ctx: CodecContext | None = None) -> EncodedTensor:
