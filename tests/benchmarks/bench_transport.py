@@ -8,10 +8,12 @@ wire format's overhead, not the model's speed. Its model is a real stage schema:
 
 The raw echo is a stream-stream service that returns each bytes message it gets, no protobuf, no checks: the client
 sends the same payload in the same 2 MiB messages and reads them back. It copies nothing in Python (its chunks are built
-once, its server returns the objects it received); the stage RPC turns each tensor into bytes, copies them into frames
-and out of frames into one buffer, in both directions, and checks that the tensors are finite. Both run in this process,
-on one event loop, with the same channel and server options (swarm.protocol.rpc's aio_channel and aio_server), one
-call at a time, interleaved.
+once, its server returns the objects it received); the stage RPC copies each tensor into frames and, where it is
+decoded, out of the frames it came in, in both directions, and checks that the tensors are finite. Both run in this
+process, on one event loop, with the same channel and server options (swarm.protocol.rpc's aio_channel and
+aio_server), one call at a time, interleaved. The echo returns the first message while the rest still arrive; a stage
+needs its whole input before it computes, so a second echo reads the whole request before it replies: the stage RPC
+against it is the cost of the machinery alone, against the first also that of not overlapping the two streams.
 
 "over libp2p" is the same stage RPC to the same service through the path a server the swarm cannot dial uses
 (swarm/protocol/p2p.py): the client's DHT node's p2pd, a libp2p connection on loopback, the server's DHT node's p2pd.
@@ -45,7 +47,7 @@ from trainer.client import StageClient
 
 SHAPE = (4, 512, 1024)
 TARGET = 0.85  # stage RPC throughput / raw gRPC throughput, codec none
-ECHO_METHOD = "/bench.Echo/Echo"
+ECHO_METHOD, WHOLE_METHOD = "/bench.Echo/Echo", "/bench.Echo/Whole"
 
 
 class IdentityWorker(StageWorker):
@@ -60,10 +62,21 @@ async def echo(requests, context):
         yield message
 
 
+async def echo_whole(requests, context):
+    """The request whole, then the reply: a stage must have all of its input before it computes, so the stage RPC
+    cannot overlap the two streams as the echo does."""
+    messages = [message async for message in requests]
+    for message in messages:
+        yield message
+
+
 async def start_echo_server() -> tuple[grpc.aio.Server, str]:
     server = aio_server()  # the stage server's options
-    handler = grpc.stream_stream_rpc_method_handler(echo)  # bytes in, bytes out
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {"Echo": handler})])
+    handlers = {  # bytes in, bytes out
+        "Echo": grpc.stream_stream_rpc_method_handler(echo),
+        "Whole": grpc.stream_stream_rpc_method_handler(echo_whole),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", handlers)])
     port = bind(server, "127.0.0.1", 0)
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -132,6 +145,7 @@ async def run(repeats: int) -> dict:
     echo_server, echo_address = await start_echo_server()
     channel = aio_channel(echo_address)
     echo_rpc = channel.stream_stream(ECHO_METHOD)  # no serializers: bytes
+    whole_rpc = channel.stream_stream(WHOLE_METHOD)
     try:
         async with InProcessStages(
             cfg, torch.device("cpu"), max_batch=SHAPE[0], stages=[1], worker_cls=IdentityWorker
@@ -149,12 +163,12 @@ async def run(repeats: int) -> dict:
 
                 return call
 
-            def raw_call(n_bytes: int):
+            def raw_call(n_bytes: int, rpc=echo_rpc):
                 chunks = raw_chunks(n_bytes)
 
                 async def call() -> None:
                     got = 0
-                    async for message in echo_rpc(iter(chunks), timeout=60):
+                    async for message in rpc(iter(chunks), timeout=60):
                         got += len(message)
                     assert got == n_bytes
 
@@ -162,6 +176,7 @@ async def run(repeats: int) -> dict:
 
             fns = {
                 "raw echo, fp32 size": raw_call(payload_bytes["none"]),
+                "raw echo, whole request first, fp32 size": raw_call(payload_bytes["none"], whole_rpc),
                 "stage RPC, codec none": stage_call(clients["none"]),
                 "raw echo, 8-bit size": raw_call(payload_bytes["blockwise8"]),
                 "stage RPC, blockwise8": stage_call(clients["blockwise8"]),
@@ -197,7 +212,9 @@ async def run(repeats: int) -> dict:
                 common.per_round_ratio(raw_8bit if "8" in name else raw_fp32, ts)
             ),
         }
+    whole_echo = times["raw echo, whole request first, fp32 size"]
     return {
+        "stage_rpc_vs_whole_echo": common.summary(common.per_round_ratio(whole_echo, times["stage RPC, codec none"])),
         "shape": list(SHAPE),
         "fp32_bytes": fp32_bytes,
         "payload_bytes": payload_bytes,
@@ -233,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = result["variants"]["stage RPC, codec none"]["throughput_vs_raw_same_bytes"]["median"]
     verdict = "meets" if ratio >= TARGET else "falls short of"
     print(f"stage RPC (codec none) reaches {ratio:.3f} of raw gRPC throughput; {verdict} the target {TARGET}")
+    whole = result["stage_rpc_vs_whole_echo"]
+    print(f"stage RPC (codec none) / an echo that reads the whole request before replying: {common.fmt(whole)}")
     result.update(
         benchmark="transport",
         hardware=common.hardware(),
