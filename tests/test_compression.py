@@ -11,7 +11,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.compression import CODECS, Blockwise8Codec, get_codec
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.frames import Limits, iter_frames, read_call
+from swarm.protocol.frames import FRAME_SLACK_BYTES, VIEW_MIN_BYTES, Limits, iter_frames, keep_payload, read_call
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
 
@@ -217,6 +217,37 @@ def test_stream_chunks_and_reassembles():
     assert len(frames) > 10
     assert torch.equal(decode_tensor(call.tensors["inputs"], torch.device("cpu")), x)
     assert torch.equal(decode_tensor(call.tensors["labels"], torch.device("cpu")), ids)
+
+
+def test_a_received_payload_is_held_in_its_frames_and_joined_where_it_is_decoded():
+    x = torch.randn(4, 512, 64, generator=torch.Generator().manual_seed(0))  # 512 KiB
+    frames, call = roundtrip([encode_tensor("inputs", x, get_codec("none"))], chunk_bytes=128 << 10)
+    enc = call.tensors["inputs"]
+    assert len(frames) == 4 and enc.joined is False  # the event loop copied nothing
+    assert enc.nbytes == enc.header.payload_bytes == x.numel() * 4 and enc.wire_bytes > enc.nbytes
+    assert enc.joined is False  # counting bytes does not join
+    assert torch.equal(decode_tensor(enc, torch.device("cpu")), x)
+    assert enc.joined is True
+
+
+def test_a_small_payload_or_one_beside_other_fields_is_copied_not_held():
+    """The budget counts payload bytes: holding every tiny frame as an object, or a large frame for a little payload,
+    would hold far more memory than it counts."""
+    pieces: list = []
+    big = bytes(VIEW_MIN_BYTES)
+    keep_payload(pieces, memoryview(big), len(big) + 20)  # most of its frame: held as it came
+    assert len(pieces) == 1 and isinstance(pieces[0], memoryview) and pieces[0].obj is big
+    keep_payload(pieces, memoryview(b"ab"), 22)  # tiny: copied
+    keep_payload(pieces, memoryview(b"cd"), 22)  # onto the same copy
+    padded = bytes(FRAME_SLACK_BYTES + 2 * VIEW_MIN_BYTES)
+    keep_payload(pieces, memoryview(padded)[:VIEW_MIN_BYTES], len(padded))  # half of its frame is something else
+    assert len(pieces) == 2 and bytes(pieces[1]) == b"abcd" + bytes(VIEW_MIN_BYTES)
+
+    # a whole tensor in 1000-byte frames arrives as one copy, not thousands of held frames
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(1))
+    frames, call = roundtrip([encode_tensor("inputs", x, get_codec("none"))], chunk_bytes=1000)
+    assert len(frames) == 26 and len(call.tensors["inputs"]._pieces) == 1
+    assert torch.equal(decode_tensor(call.tensors["inputs"], torch.device("cpu")), x)
 
 
 def test_stream_rejects_malformed():

@@ -22,6 +22,8 @@ from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION
 from swarm.protocol.tensors import EncodedTensor, WireError
 
 _DATA_KEY = 3 << 3 | 2  # Frame.data: field 3, wire type 2 (length-delimited)
+VIEW_MIN_BYTES = 64 << 10  # a received payload this large is kept as a view into its frame (smaller ones are copied),
+FRAME_SLACK_BYTES = 4 << 10  # if the rest of the frame (its header fields) is no larger than this
 
 
 def _varint(n: int) -> bytes:
@@ -241,7 +243,7 @@ async def read_call(
     # the current tensor's payload as it arrives, views into the frames (EncodedTensor joins them off the event loop):
     # up to the header's size (checked against the limits), so a header that declares a large tensor and sends
     # nothing holds nothing
-    pieces: list[memoryview] = []
+    pieces: list[memoryview | bytearray] = []
     got = 0
     taken = 0
     # held for the frame being read: gRPC receives a stream's next message into memory once it is asked for, so the
@@ -295,7 +297,7 @@ async def read_call(
                 if budget is not None:
                     budget.take(len(data), caller)
                     taken += len(data)
-                pieces.append(data)  # holds the frame it came in: its payload, which the budget counts, and a header
+                keep_payload(pieces, data, len(data) if isinstance(message, pb.Frame) else len(message))
                 got += len(data)
             del message, frame, data  # not held while waiting for the next (the pieces hold what is kept)
         if call is None:
@@ -309,6 +311,18 @@ async def read_call(
         budget.release(read_ahead, caller)
     call.reserved, call.caller = taken, caller
     return call
+
+
+def keep_payload(pieces: list[memoryview | bytearray], data: memoryview, frame_bytes: int) -> None:
+    """Adds a frame's payload `data` to a tensor's pieces: a view into the frame (which it keeps alive) if the payload
+    is most of a large frame, else a copy onto the last piece. The budget counts payload bytes: a frame that carried
+    little payload beside other fields, or many tiny frames each held as an object, would hold far more than it."""
+    if len(data) >= VIEW_MIN_BYTES and frame_bytes - len(data) <= FRAME_SLACK_BYTES:
+        pieces.append(data)
+    elif pieces and isinstance(pieces[-1], bytearray):
+        pieces[-1] += data
+    else:
+        pieces.append(bytearray(data))
 
 
 async def _within(frames: AsyncIterable, idle_timeout: float | None, before: Callable[[], None]) -> AsyncIterator:

@@ -43,16 +43,17 @@ def check_values(x: torch.Tensor, name: str, bound: float) -> None:
 class EncodedTensor:
     """A tensor as it travels: its header and payload bytes.
 
-    A received payload stays in the pieces it came in (views into the frames gRPC handed over) until something reads
-    `payload`, which joins them once: a receiver's event loop only collects pieces, and the one copy into contiguous
-    memory happens where the tensor is decoded (a server's compute thread, a trainer's codec pool)."""
+    A received payload stays in the pieces it came in (views into the frames gRPC handed over, or copies of small
+    ones: swarm.protocol.frames `keep_payload`) until something reads `payload`, which joins them once: a receiver's
+    event loop only collects pieces, and the one copy into contiguous memory happens where the tensor is decoded (a
+    server's compute thread, a trainer's codec pool)."""
 
     __slots__ = ("header", "nbytes", "_payload", "_pieces")
 
-    def __init__(self, header: pb.TensorHeader, payload: Buffer | list[memoryview]):
+    def __init__(self, header: pb.TensorHeader, payload: Buffer | list[memoryview | bytearray]):
         self.header = header
         self._payload: Buffer | None
-        self._pieces: list[memoryview] | None
+        self._pieces: list[memoryview | bytearray] | None
         if isinstance(payload, list):
             self._payload, self._pieces = None, payload
             self.nbytes = sum(len(piece) for piece in payload)
@@ -69,6 +70,11 @@ class EncodedTensor:
             self._payload = bytearray().join(self._pieces)
             self._pieces = None
         return self._payload
+
+    @property
+    def joined(self) -> bool:
+        """Whether the payload is in one piece of memory (received pieces are joined on first use of `payload`)."""
+        return self._pieces is None
 
     @property
     def shape(self) -> tuple[int, ...]:
