@@ -17,6 +17,7 @@ import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -35,6 +36,7 @@ from server.collab.hivemind_compat import (
     ExactAllReduceRunner,
     StrictAverager,
     _declared,
+    balance_parts,
 )
 from swarm.compression import get_codec
 
@@ -653,3 +655,16 @@ async def test_a_state_declaration_that_fails_is_read_and_logged_not_left_to_asy
         gc.collect()
     assert "declaring our state for download in the DHT failed: TimeoutError()" in caplog.text
     assert "never retrieved" not in caplog.text
+
+
+def test_equal_bandwidths_split_a_round_as_hivemind_linear_program_does_without_running_it():
+    """Every peer computes the split itself: ours must be hivemind's, or peers would disagree on who reduces what."""
+    for n in range(1, 9):
+        for size in (1, 2, 7, 1001, 210_000, 3_410_000):
+            for min_size in (0, 16, 100_000):
+                assert balance_parts(size, [1.0] * n, min_size) == load_balance_peers(size, [1.0] * n, min_size)
+    # anything else is hivemind's own answer: different bandwidths, client-only peers (0), undeclared (None)
+    for bandwidths in ([1.0, 2.0], [1.0, 0.0, 1.0], [3.0, 3.0, 1e-3], [None, None], [None, 1.0], [1.0, None]):
+        assert balance_parts(10_000, bandwidths, 0) == load_balance_peers(10_000, bandwidths, 0)
+    with pytest.raises(AssertionError):  # hivemind's refusal of a group with no bandwidth at all
+        balance_parts(10, [0.0, 0.0], 0)

@@ -11,7 +11,16 @@ from hivemind.proto import runtime_pb2
 
 from swarm.compression import CODECS, Blockwise8Codec, get_codec
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.frames import FRAME_SLACK_BYTES, VIEW_MIN_BYTES, Limits, iter_frames, keep_payload, read_call
+from swarm.protocol.frames import (
+    FRAME_SLACK_BYTES,
+    VIEW_MIN_BYTES,
+    Limits,
+    _varint,
+    encode_frame,
+    iter_frames,
+    keep_payload,
+    read_call,
+)
 from swarm.protocol.rpc import PROTOCOL_VERSION
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
 
@@ -248,6 +257,32 @@ def test_a_small_payload_or_one_beside_other_fields_is_copied_not_held():
     frames, call = roundtrip([encode_tensor("inputs", x, get_codec("none"))], chunk_bytes=1000)
     assert len(frames) == 26 and len(call.tensors["inputs"]._pieces) == 1
     assert torch.equal(decode_tensor(call.tensors["inputs"], torch.device("cpu")), x)
+
+
+def test_frames_padded_with_other_fields_are_copied_not_held():
+    """A frame whose payload is large but beside a larger field (unknown to us: protobuf keeps it) would hold all of it
+    for the payload bytes the budget counts."""
+    x = torch.randn(2 * VIEW_MIN_BYTES // 4)
+    enc = encode_tensor("inputs", x, get_codec("none"))
+    meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id="m")
+    padding = bytes([15 << 3 | 2]) + _varint(1 << 20) + bytes(1 << 20)  # field 15, length-delimited, 1 MiB
+    half = enc.nbytes // 2
+    frames = [
+        encode_frame(meta, enc.header, bytes(enc.payload)[:half]) + padding,
+        encode_frame(data=bytes(enc.payload)[half:]),  # payload alone: held as it came
+    ]
+    limits = Limits(max_tensor_bytes=64 << 20, allowed_names=frozenset({"inputs"}))
+    got = asyncio.run(read_call(_frames(frames), limits)).tensors["inputs"]
+    assert [type(p) for p in got._pieces] == [bytearray, memoryview]
+    assert torch.equal(decode_tensor(got, torch.device("cpu")), x)
+
+
+def test_a_tensor_decoded_from_its_own_encoding_is_a_copy():
+    x = torch.randn(4, 8)
+    before = x.clone()
+    y = decode_tensor(encode_tensor("inputs", x, get_codec("none")), torch.device("cpu"))
+    x += 1  # the payload is a view of x: a decoded tensor sharing it would change too
+    assert torch.equal(y, before)
 
 
 def test_stream_rejects_malformed():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -52,6 +53,14 @@ class StageReply:
 
 # an earlier reply's bytes sent on are framed (copied) on the event loop below this size, in the codec pool above it
 RELAY_ON_LOOP_BYTES = 1 << 20
+
+
+def _handed_over(frames: deque[bytes]) -> Iterator[bytes]:
+    """Each frame once, let go as gRPC takes it: a call does not hold its serialized request until its reply."""
+    while frames:
+        yield frames.popleft()
+
+
 REPLY_ROLE = {"Forward": TensorRole.ACTIVATIONS, "Backward": TensorRole.ACTIVATION_GRADIENTS}
 
 
@@ -117,20 +126,21 @@ class StageClient:
                 return relayed(t, name)
             return encode_tensor(name, t, self.policy.codec(role_of(name, t.dtype)))
 
-        def frames() -> tuple[list[EncodedTensor], list[bytes]]:
+        def frames() -> deque[bytes]:
             encoded = [encode(k, v) for k, v in tensors.items()]
-            return encoded, list(iter_frames(meta, encoded))
+            for sent in encoded:
+                self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
+            return deque(iter_frames(meta, encoded))
 
         # frames are bytes both ways (swarm.protocol.frames): each payload is copied once into its frames, here in the
         # codec pool, not on the event loop, unless nothing is encoded and the bytes are few
         few = sum(t.nbytes for t in tensors.values() if isinstance(t, EncodedTensor)) < RELAY_ON_LOOP_BYTES
         if few and all(isinstance(t, EncodedTensor) for t in tensors.values()):
-            encoded, request = frames()
+            call = self.channels.stub(address).method(method)(_handed_over(frames()), timeout=timeout)
         else:
-            encoded, request = await loop.run_in_executor(self.pool, frames)
-        for sent in encoded:
-            self.stats.add(role_of(sent.header.name, WIRE_TO_DTYPE[sent.header.dtype]), sent)
-        call = self.channels.stub(address).method(method)(request, timeout=timeout)
+            request = await loop.run_in_executor(self.pool, frames)
+            call = self.channels.stub(address).method(method)(_handed_over(request), timeout=timeout)
+            del request  # held by the sender alone, which lets each frame go once gRPC has it
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         enc: EncodedTensor | None = None
         if expect_shape is not None and not reply.tensors:

@@ -3,7 +3,8 @@
 An upgrade of hivemind means re-reading exactly what this module touches:
 - `DecentralizedAverager._run_allreduce_inplace_` (replaced: it builds our runner and copies its results in),
   `._aggregate_with_group` (replaced: it checks the group's gathered round data and picks the tensors to average),
-  `.serializer`, `.peer_id`, `GroupInfo.gathered` (each peer's [bandwidth, mode, gathered bytes]), `load_balance_peers`;
+  `.serializer`, `.peer_id`, `GroupInfo.gathered` (each peer's [bandwidth, mode, gathered bytes]), `load_balance_peers`
+  and `hagenbach_bishoff`;
   `._running_groups`, `._averaging_alpha`, `.last_updated`, `._state_updated`;
 - `AllReduceRunner` (subclassed): its constructor's arguments, `_communicate_with_peer`, `_accumulate_parts_streaming`,
   `_ban_sender` (replaced, with `banlock`), `tensor_part_reducer.accumulate_part` / `.num_parts`,
@@ -49,7 +50,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.load_balancing import hagenbach_bishoff, load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import (
@@ -170,6 +171,16 @@ def start_in_background(averager: DecentralizedAverager) -> None:
             averager.run_in_background(await_ready=False)
     finally:
         signal.signal(signal.SIGINT, handler)
+
+
+def balance_parts(vector_size: int, bandwidths: typing.Sequence[float | None], min_size: int) -> tuple[int, ...]:
+    """hivemind's `load_balance_peers` (each peer's share of a round's values), without its linear program where every
+    peer declares the same bandwidth (the fixed groups' 1.0): the program then gives equal parts, and costs 2 ms or
+    more of the averager's CPU per round. Every peer of the round computes the same split from the same group."""
+    first = bandwidths[0] if bandwidths else None  # hivemind's None: a peer that declared none
+    if first is not None and first > 0 and all(bw == first for bw in bandwidths):
+        return tuple(hagenbach_bishoff(vector_size, [1.0] * len(bandwidths)))
+    return load_balance_peers(vector_size, bandwidths, min_size)
 
 
 def _declared(store: asyncio.Task) -> None:
@@ -709,7 +720,7 @@ class StrictAverager(DecentralizedAverager):
                 if tensors is not local:
                     kwargs.pop("tensor_infos", None)  # those describe the averaged tensors
                 fractions = await asyncio.get_event_loop().run_in_executor(
-                    None, load_balance_peers, sum(t.numel() for t in tensors), download_bandwidths, min_vector_size
+                    None, balance_parts, sum(t.numel() for t in tensors), download_bandwidths, min_vector_size
                 )
                 await self._run_allreduce_inplace_(tensors, group_info, peer_fractions=fractions, **kwargs)
             return gathered

@@ -35,10 +35,10 @@ def tensor_to_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:
-    """The bytes of `t` without a copy where it is a contiguous CPU tensor (a copy otherwise). The view keeps the
-    memory alive; `t` must not change while the view is in use (a payload on its way: nothing writes to a tensor once
-    it is encoded for sending)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
+    """The bytes of `t` without a copy where it is a contiguous CPU tensor (a copy otherwise), read-only, so that a
+    tensor decoded from them in this process is a copy, not `t` itself. The view keeps the memory alive; `t` must not
+    change while the view is in use (a payload on its way: nothing writes to a tensor once it is encoded to send)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data.toreadonly()
 
 
 def bytes_to_tensor(payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

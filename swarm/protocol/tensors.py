@@ -63,13 +63,15 @@ class EncodedTensor:
 
     @property
     def payload(self) -> Buffer:
-        if self._payload is None:
-            assert self._pieces is not None
-            # a bytearray: writable, so torch.frombuffer takes it without another copy. Set before the pieces go: a
-            # thread that reads at the same time joins them again, or finds this
-            self._payload = bytearray().join(self._pieces)
-            self._pieces = None
-        return self._payload
+        pieces = self._pieces  # one read: another thread may join them meanwhile (then both join, alike)
+        if pieces is None:
+            assert self._payload is not None
+            return self._payload
+        # a bytearray: writable, so torch.frombuffer takes it without another copy. Set before the pieces go
+        joined = pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytearray) else bytearray().join(pieces)
+        self._payload = joined
+        self._pieces = None
+        return joined
 
     @property
     def joined(self) -> bool:
