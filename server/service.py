@@ -514,8 +514,9 @@ class StageService:
         caller: str,
         on_meta: Callable[[pb.CallMeta], None] | None = None,
     ) -> Call:
-        """The request (swarm.protocol.frames parses the raw frames, one payload copy). A caller that sets no deadline,
-        or sends a header and then nothing, holds the call for `max_read_s` at most, and IDLE_READ_S without a frame.
+        """The request (swarm.protocol.frames parses the raw frames; the payload stays in them until decoded). A caller
+        that sets no deadline, or sends a header and then nothing, holds the call for `max_read_s` at most, and
+        IDLE_READ_S without a frame.
         A request refused while its caller is still sending is read on (up to about its legitimate size) so that the
         caller gets the reason, not a failed write; DRAINING at a time, beyond that it is ended unread."""
         read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())

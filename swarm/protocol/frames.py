@@ -4,7 +4,9 @@ Stream rules (see wire.proto): the first frame carries `CallMeta`; a frame with 
 appends to the current tensor until it holds exactly `payload_bytes`. Large payloads are split into `chunk_bytes` pieces.
 
 On the wire every frame is a plain serialized `Frame`. Its `data` field is written and read by hand (encode_frame,
-parse_frame) so that a payload is copied once on each side; protobuf copies it on every parse, access and serialize.
+parse_frame) so that a payload is copied once on each side: into its frames by the sender, and out of them, where the
+tensor is decoded, by the receiver (read_call keeps views into large frames, `keep_payload`); protobuf copies it on
+every parse, access and serialize.
 """
 
 from __future__ import annotations
