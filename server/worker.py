@@ -643,8 +643,8 @@ class StageWorker:
             or len(last) != len(mine["_last_lr"])
             or not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= peak for x in last)
         ):
-            raise ValueError(f"state's schedule has last learning rates {str(last)[:80]}, not {len(mine['_last_lr'])} "
-                             f"within [0, {peak}]")  # fmt: skip
+            wanted = f"{len(mine['_last_lr'])} within [0, {peak}]"
+            raise ValueError(f"state's schedule has last learning rates {str(last)[:80]}, not {wanted}")
         return {**mine, **position, "_last_lr": list(last)}
 
     def not_one_step_from_ours(self, meta: dict, tensors: list[torch.Tensor]) -> str | None:

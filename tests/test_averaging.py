@@ -668,3 +668,9 @@ def test_equal_bandwidths_split_a_round_as_hivemind_linear_program_does_without_
         assert balance_parts(10_000, bandwidths, 0) == load_balance_peers(10_000, bandwidths, 0)
     with pytest.raises(AssertionError):  # hivemind's refusal of a group with no bandwidth at all
         balance_parts(10, [0.0, 0.0], 0)
+    # what peers declare crosses the network: extremes split as hivemind splits them, garbage fails the round alike
+    for extreme in (math.inf, 1e300, 1e-300):
+        assert balance_parts(1000, [extreme] * 2, 0) == load_balance_peers(1000, [extreme] * 2, 0) == (500, 500)
+    for garbage in ([math.nan, math.nan], [-1.0, -1.0]):
+        with pytest.raises(ValueError):
+            balance_parts(1000, garbage, 0)

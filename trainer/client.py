@@ -136,11 +136,11 @@ class StageClient:
         # codec pool, not on the event loop, unless nothing is encoded and the bytes are few
         few = sum(t.nbytes for t in tensors.values() if isinstance(t, EncodedTensor)) < RELAY_ON_LOOP_BYTES
         if few and all(isinstance(t, EncodedTensor) for t in tensors.values()):
-            call = self.channels.stub(address).method(method)(_handed_over(frames()), timeout=timeout)
+            request = frames()
         else:
             request = await loop.run_in_executor(self.pool, frames)
-            call = self.channels.stub(address).method(method)(_handed_over(request), timeout=timeout)
-            del request  # held by the sender alone, which lets each frame go once gRPC has it
+        call = self.channels.stub(address).method(method)(_handed_over(request), timeout=timeout)
+        del request  # held by the sender alone, which lets each frame go once gRPC has it
         reply = await asyncio.wait_for(read_call(call, self.reply_limits), timeout)
         enc: EncodedTensor | None = None
         if expect_shape is not None and not reply.tensors:

@@ -30,8 +30,9 @@ class CodecError(ValueError):
 Buffer = bytes | bytearray | memoryview  # what a payload may be (collections.abc.Buffer is Python 3.12+)
 
 
-def tensor_to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+def tensor_to_bytes(*tensors: torch.Tensor) -> bytes:
+    """The bytes of `tensors`, one after the other, copied once."""
+    return b"".join(tensor_view(t) for t in tensors)
 
 
 def tensor_view(t: torch.Tensor) -> memoryview:

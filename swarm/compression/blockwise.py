@@ -171,7 +171,7 @@ class Blockwise8Codec(Codec):
         import bitsandbytes.functional as bnbf
 
         codes, state = bnbf.quantize_blockwise(x, code=dynamic_map(x.device), blocksize=self.blocksize)
-        return tensor_to_bytes(codes) + tensor_to_bytes(state.absmax.float())
+        return tensor_to_bytes(codes, state.absmax.float())
 
     def _layout(self, header: pb.TensorHeader, payload: bytes | bytearray) -> tuple[int, int, int]:
         """-> (values, block size, blocks) of a payload whose parameters and size are checked."""

@@ -61,7 +61,7 @@ class LowRankCodec(Codec):
             ctx.keep_warm_start(shape, q)
             if self.error_feedback and ctx.memory is not None:
                 ctx.keep_error(shape, g - p.float() @ q.T)
-        return self.PARAMS.pack(r), tensor_to_bytes(p) + tensor_to_bytes(q)
+        return self.PARAMS.pack(r), tensor_to_bytes(p, q)
 
     def _layout(self, header: pb.TensorHeader, payload: bytes | bytearray) -> tuple[int, int, int]:
         """-> (M, d, r) of a payload whose parameters and size are checked."""

@@ -88,7 +88,7 @@ class PiecewiseCodec(Codec):
         relative = blocks.abs() / absmax.clamp_min(1e-30)[:, None]
         index = torch.bucketize(relative, (levels[1:] + levels[:-1]) / 2)  # nearest level
         codes = (index | ((blocks < 0).long() << (self.bits - 1))).view(-1)[:n].to(torch.uint8)
-        payload = tensor_to_bytes(pack_bits(codes, self.bits)) + tensor_to_bytes(absmax)
+        payload = tensor_to_bytes(pack_bits(codes, self.bits), absmax)
         return self.PARAMS.pack(self.bits, self.blocksize), payload
 
     def _layout(self, header: pb.TensorHeader, payload: bytes | bytearray) -> tuple[int, int, int, int]:

@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecContext, CodecError, bytes_to_tensor, tensor_to_bytes
+from swarm.compression.base import WIRE_TO_DTYPE, Codec, CodecContext, CodecError, bytes_to_tensor, tensor_view
 from swarm.compression.blockwise import Blockwise8Codec
 from swarm.compression.piecewise import PiecewiseCodec, pack_bits, unpack_bits
 from swarm.compression.plain import Float16Codec, NoneCodec
@@ -58,7 +58,7 @@ class TokenTopKCodec(Codec):
             error[rows] -= self.inner.decode(header, inner_payload, g.device)
             ctx.keep_error(shape, error)
         params = self.PARAMS.pack(k, self.inner.wire) + inner_params
-        return params, tensor_to_bytes(pack_bits(mask, 1)) + bytes(inner_payload)
+        return params, b"".join((tensor_view(pack_bits(mask, 1)), inner_payload))
 
     def _inner_header(
         self, name: str, k: int, d: int, dtype: int, params: bytes, payload: bytes | bytearray | memoryview

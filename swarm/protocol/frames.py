@@ -24,8 +24,10 @@ from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION
 from swarm.protocol.tensors import EncodedTensor, WireError
 
 _DATA_KEY = 3 << 3 | 2  # Frame.data: field 3, wire type 2 (length-delimited)
-VIEW_MIN_BYTES = 64 << 10  # a received payload this large is kept as a view into its frame (smaller ones are copied),
-FRAME_SLACK_BYTES = 4 << 10  # if the rest of the frame (its header fields) is no larger than this
+# a received payload is kept as a view into its frame (`keep_payload`) if it is at least VIEW_MIN_BYTES and the rest of
+# the frame (its other fields) at most FRAME_SLACK_BYTES; otherwise it is copied
+VIEW_MIN_BYTES = 64 << 10
+FRAME_SLACK_BYTES = 4 << 10
 
 
 def _varint(n: int) -> bytes:
