@@ -6,7 +6,7 @@
     python -m tests.holepunch_peer caller   HOST DIR   # a trainer's DHT node (client mode) calling the home peer
 
 The caller prints one JSON line per 1 MiB Forward: whether it came back whole, and how its daemon reaches the home
-peer (swarm/protocol/p2p.py `path_of`).
+peer (swarm/protocol/p2p.py `path_of`). Every peer logs its daemon's hole-punching and AutoNAT decisions.
 """
 
 from __future__ import annotations
@@ -58,12 +58,17 @@ async def _meet_the_observers(p2p, directory: Path) -> None:
 
 
 async def _log_connections(p2p) -> None:
-    """Logs the addresses we are connected to, each time they change: a failed run shows which peers saw us."""
-    seen = None
+    """Logs the addresses we are connected to and those our daemon announces, each time they change: a failed run
+    shows which peers saw us, and whether we knew our router's address (announced until AutoNAT finds us private,
+    then our relayed address instead)."""
+    connected = announced = None
     while True:
-        if (now := sorted({str(a) for info in await p2p.list_peers() for a in info.addrs})) != seen:
+        if (now := sorted({str(a) for info in await p2p.list_peers() for a in info.addrs})) != connected:
             logging.info("connected to %s", now)
-            seen = now
+            connected = now
+        if (now := sorted(str(a) for a in await p2p.get_visible_maddrs(latest=True))) != announced:
+            logging.info("announcing %s", now)
+            announced = now
         await asyncio.sleep(2.0)
 
 
@@ -124,4 +129,8 @@ async def main(role: str, host: str, directory: Path) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the daemons' hole-punching and AutoNAT decisions, through hivemind's log of p2pd's output (a few lines a peer):
+    # "direct connection to peer successful, no need for a hole punch", "NAT status is private", ...
+    os.environ["GOLOG_LOG_LEVEL"] = "error,p2p-holepunch=debug,autonat=debug"
+    logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.DEBUG)
     asyncio.run(main(sys.argv[1], sys.argv[2], Path(sys.argv[3])))
