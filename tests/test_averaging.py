@@ -28,6 +28,7 @@ from hivemind.utils.asyncio import as_aiter
 
 from dht.forking import forking
 from dht.node import start_dht
+from server.collab import hivemind_compat
 from server.collab.averaging import hivemind_compression
 from server.collab.hivemind_compat import (
     MAX_WAITING_PARTS,
@@ -338,6 +339,26 @@ def test_a_round_in_which_a_sender_breaks_off_to_one_reducer_fails_for_every_pee
             assert not any(isinstance(r, dict) for r in results), results
             for got, v in zip(outs, values, strict=True):
                 assert torch.equal(got, v), "a failed round changed a peer's values"
+
+
+def test_a_sender_closes_its_stream_once_every_part_came_back_and_reducers_hold_theirs_until_then(monkeypatch):
+    """A reducer that closed its stream right after its last averaged part lost that part in flight now and then (the
+    sender's round failed: "sent 2 parts, but we expected 3"); a reducer now holds the stream until the sender has read
+    every part and closed it. Here reducers would hold it for 60 s: three peers of several parts each still end three
+    rounds in a row, each within its 5 s all-reduce timeout, with the same weighted mean (hivemind's sender read on
+    until the reducer closed, and failed every round here)."""
+    monkeypatch.setattr(hivemind_compat, "REPLY_LINGER_S", 60.0)  # before the averagers' processes fork
+    values = [torch.full((12_000,), v) for v in (1.0, 4.0, 10.0)]
+    with fixed_group("avgtest_sender_closes", values, part_size_bytes=4096) as (peers, start, round_of):
+        start()
+        for _ in range(3):
+            for peer, v in zip(peers, values, strict=True):
+                with peer.get_tensors() as (got,):
+                    got.copy_(v)
+            results, outs = round_of([1.0, 2.0, 3.0])
+            assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+            assert all(torch.equal(o, outs[0]) for o in outs), "peers hold different averages"
+            assert torch.allclose(outs[0], (1 * values[0] + 2 * values[1] + 3 * values[2]) / 6)
 
 
 async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earlier_parts():

@@ -17,6 +17,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_backprop | pipeline codecs and boundaries in one process: held-out loss against fp32, bytes per direction |
 | bench_flood | a real server's RSS under rounds of concurrent large requests; every call answered within its deadline |
 | bench_robust | --robust-clip's reducer: time against the weighted mean's; error with one attacking sender against the honest mean |
+| bench_rounds | failed all-reduce rounds among peers that stay up, by how a reducer's stream ends (hivemind's way, ours) |
 
 Each prints its tables on stdout, progress on stderr, and writes `<out>/<name>.json` (hardware included); bench_wan
 also writes a PNG. Run them on an otherwise idle machine: wall-clock ratios are interleaved but not immune to load.
@@ -44,6 +45,7 @@ BENCHMARKS = (
     "backprop",
     "flood",
     "robust",
+    "rounds",
 )
 WITH_DEVICE = ("wire", "pipeline")
 
