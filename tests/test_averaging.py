@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import typing
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
@@ -659,6 +660,47 @@ def test_a_state_download_from_a_frozen_peer_ends_when_the_stage_drops_it():
     finally:
         os.kill(b.pid, signal.SIGCONT)
         shut_down([a, b], [*dhts, boot])
+
+
+class CutShort(StrictAverager):
+    """Sends its state as hivemind does, without its last message: what a download whose last message was lost in
+    flight receives."""
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the hint's `_name`
+        messages = [m async for m in DecentralizedAverager.rpc_download_state(self, request, context)]
+        for message in messages[:-1]:
+            yield message
+
+
+CutShort.__name__ = StrictAverager.__name__  # hivemind names a servicer's handlers after its class
+
+
+def test_a_state_download_is_taken_only_whole():
+    """A state ends with an end marker (hivemind_compat.STATE_END), which the peer downloading waits for: a state cut
+    short (its last message lost in flight, as a stream closed right after it could lose it) is no download at all,
+    where before the tensors that came were taken; a whole one is taken, and the sender holds the stream until the
+    downloader has read it and closed it (REPLY_LINGER_S, 60 s here: the second download does not wait for it)."""
+    boot = start_dht()
+    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(3)]
+    state = [torch.full((1000,), 1.0), torch.arange(3000, dtype=torch.float32)]
+    saved, hivemind_compat.REPLY_LINGER_S = hivemind_compat.REPLY_LINGER_S, 60.0  # before the processes fork
+    try:
+        with forking():  # see run_round
+            a, whole, cut = (
+                cls(averaged_tensors=[t.clone() for t in state], dht=dht, prefix="avgtest_whole", start=True)
+                for cls, dht in zip((StrictAverager, StrictAverager, CutShort), dhts, strict=True)
+            )
+    finally:
+        hivemind_compat.REPLY_LINGER_S = saved
+    try:
+        assert a.download_state(str(dhts[2].peer_id), timeout=10) is None, "a state cut short was taken"
+        for _ in range(2):
+            got = a.download_state(str(dhts[1].peer_id), timeout=10)
+            assert got is not None and all(torch.equal(x, y) for x, y in zip(got[1], state, strict=True))
+    finally:
+        shut_down([a, whole, cut], [*dhts, boot])
 
 
 async def test_a_state_declaration_that_fails_is_read_and_logged_not_left_to_asyncio(caplog):

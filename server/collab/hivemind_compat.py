@@ -16,7 +16,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   `banned_senders`, `_future`: to hand every peer the same averaged values, and to fail a round with parts not
   averaged (at once, when a reducer fails);
 - `DecentralizedAverager._outer_pipe` (calls into the averager's process), `.get_stub`, `._p2p`, `.prefix`,
-  `.serializer` and the `rpc_download_state` RPC: to download the state of one named peer;
+  `.serializer` and the `rpc_download_state` RPC (its messages, ended by our STATE_END): to download the state of
+  one named peer;
 - `DecentralizedAverager.run_in_background`, which sets SIGINT to "ignore" in the calling process for good;
 - `DecentralizedAverager.rpc_join_group` (extended), `._matchmaking.group_key_manager.get_averagers` (wrapped): to
   keep peers the stage does not list out of its groups;
@@ -92,6 +93,8 @@ MAX_WAITING_PARTS = 32  # parts for a group we have not begun that wait for us a
 # stream (ours does at once). Closed by the reducer instead, the last part was lost in flight in 7 of 25,300 streams
 # of 3 parts (hivemind's own handlers and callers, over p2pd on loopback); none of 16,500 held until the caller closed
 REPLY_LINGER_S = 5.0
+# the last message of a state download (its metadata; hivemind's first message carries the state's, in msgpack)
+STATE_END = b"\x00swarm: end of state"
 
 
 class TorchBlockwiseQuantization(BlockwiseQuantization):
@@ -746,8 +749,15 @@ class StrictAverager(DecentralizedAverager):
         ):
             logger.warning("refused our state to %s: the stage's records do not list it", context.remote_id)
             return
+        sent = False
         async for message in super().rpc_download_state(request, context):
+            sent = True
             yield message
+        if sent:  # (hivemind sends nothing while we share no state)
+            # the end: the peer downloading knows it has it all and closes the stream, which we hold until then
+            # (closed by us right after the last part, the part could be lost in flight, as in rpc_aggregate_part)
+            yield averaging_pb2.DownloadData(metadata=STATE_END)
+            await asyncio.sleep(REPLY_LINGER_S)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -858,21 +868,26 @@ class StrictAverager(DecentralizedAverager):
                     return None
 
     async def _download_state_from(self, peer_id: str, timeout: float, future: MPFuture) -> None:
-        """The averager's process: hivemind's state download RPC, addressed to one peer."""
-        metadata = None
+        """The averager's process: hivemind's state download RPC, addressed to one peer, up to its end marker
+        (STATE_END: a download without it is cut short, and refused); then we close the stream."""
+        metadata, whole = None, False
 
         async def parts(stream):
-            nonlocal metadata
+            nonlocal metadata, whole
             async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata == STATE_END:
+                    whole = True
+                    return
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
                 yield [message.tensor_part]
 
         try:
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            tensors = await deserialize_tensor_stream(
-                parts(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
-            )
+            async with contextlib.aclosing(await stub.rpc_download_state(averaging_pb2.DownloadRequest())) as stream:
+                tensors = await deserialize_tensor_stream(parts(stream))
+            if metadata and not whole:
+                raise AllreduceException("the state ended before its end marker")
             future.set_result((metadata, tensors) if metadata else None)
         except Exception as e:
             logger.warning("downloading the state of %s failed: %r", peer_id[-6:], e)

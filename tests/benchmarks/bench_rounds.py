@@ -11,6 +11,7 @@ machines are busy). A round fails one-sidedly when some peers end it and others 
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--load", type=int, default=0, help="busy loops running beside the peers")
     args = p.parse_args(argv)
     common.exit_on_sigterm()
+    # why a round failed, as each peer's process says it (they fork from here)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("server.collab.hivemind_compat").setLevel(logging.INFO)
     repeats = args.repeats or (1 if args.quick else 2)
     rounds = args.rounds or (100 if args.quick else 400)
     common.log(
