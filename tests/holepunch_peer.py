@@ -100,9 +100,10 @@ async def main(role: str, host: str, directory: Path) -> None:
         _publish(directory / "home", [str(dht.peer_id)])
         await _log_connections(p2p)
     # the product's redial (swarm/protocol/p2p.py `_watch_path`) after 20 s, not 30, and up to 6 times, not 4: a
-    # caller whose relayed connection did not punch through dials again until 120 s, within the test's 150 s. Every 10 s
-    # and 4 times, CI's four redials were over 40 s after the first dial and all stayed relayed: the home node had not
-    # yet learnt its router's address from the observers (the machine was busy), and nothing dialled after that
+    # caller whose relayed connection did not punch through dials again until 120 s, within an attempt's 150 s
+    # (tests/test_relay.py ATTEMPT_S). Every 10 s and 4 times, CI's four redials were over 40 s after the first dial
+    # and all stayed relayed: the home node had not yet learnt its router's address from the observers (the machine
+    # was busy), and nothing dialled after that
     p2p_transport.REDIAL_S = 20.0
     p2p_transport.MAX_REDIALS = 6
     p2p_transport.REDIAL_RELAYED = True  # as SwarmDHT.start sets it for a trainer's (client-mode) node

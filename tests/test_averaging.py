@@ -29,7 +29,6 @@ from hivemind.utils.asyncio import as_aiter
 
 from dht.forking import forking
 from dht.node import start_dht
-from server.collab import hivemind_compat
 from server.collab.averaging import hivemind_compression
 from server.collab.hivemind_compat import (
     MAX_WAITING_PARTS,
@@ -41,6 +40,7 @@ from server.collab.hivemind_compat import (
     balance_parts,
 )
 from swarm.compression import get_codec
+from tests.peers import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -342,15 +342,16 @@ def test_a_round_in_which_a_sender_breaks_off_to_one_reducer_fails_for_every_pee
                 assert torch.equal(got, v), "a failed round changed a peer's values"
 
 
-def test_a_sender_closes_its_stream_once_every_part_came_back_and_reducers_hold_theirs_until_then(monkeypatch):
+def test_a_sender_closes_its_stream_once_every_part_came_back_and_reducers_hold_theirs_until_then():
     """A reducer that closed its stream right after its last averaged part lost that part in flight now and then (the
     sender's round failed: "sent 2 parts, but we expected 3"); a reducer now holds the stream until the sender has read
     every part and closed it. Here reducers would hold it for 60 s: three peers of several parts each still end three
     rounds in a row, each within its 5 s all-reduce timeout, with the same weighted mean (hivemind's sender read on
     until the reducer closed, and failed every round here)."""
-    monkeypatch.setattr(hivemind_compat, "REPLY_LINGER_S", 60.0)  # before the averagers' processes fork
     values = [torch.full((12_000,), v) for v in (1.0, 4.0, 10.0)]
     with fixed_group("avgtest_sender_closes", values, part_size_bytes=4096) as (peers, start, round_of):
+        for peer in peers:
+            peer.reply_linger_s = 60.0  # before its process forks
         start()
         for _ in range(3):
             for peer, v in zip(peers, values, strict=True):
@@ -388,6 +389,48 @@ async def test_the_robust_reducer_clips_one_part_and_keeps_a_banned_senders_earl
     assert reducer.finished.is_set() and not reducer.received
 
 
+def _reducer_side(shapes: list[torch.Size]) -> ExactAllReduceRunner:
+    """An exact runner's reducer side for one sender: no group, no network."""
+    runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)
+    runner.tensor_part_reducer = TensorPartReducer(shapes, num_senders=1)
+    runner.tensor_part_container = SimpleNamespace(prefetch=1)
+    runner.sender_peer_ids, runner.banned_senders, runner.banlock = [PeerID(b"h" * 34)], set(), asyncio.Lock()
+    runner.max_weight = runner.max_total_weight = math.inf
+    runner.weight_caps = None
+    runner.weights, runner.reducer_failed = {}, asyncio.Event()
+    runner.complete_senders, runner.reply_linger_s = set(), 60.0
+    return runner
+
+
+@pytest.mark.parametrize("sent", [2, 1])
+async def test_a_sender_whose_parts_were_all_reduced_is_not_banned_when_its_stream_ends_first(sent):
+    """A sender closes its stream once every averaged part came back. When that close reaches the reducer before the
+    end of the sender's requests (a busy sender), hivemind's handler is cancelled mid-stream and bans the sender
+    it served, whatever the reason: the reducer's round failed while the sender's ended. A sender all of whose parts
+    were reduced is in every part and is spared; one that stopped a part short is banned, and the round fails."""
+    shape = torch.Size([100])
+    runner = _reducer_side([shape, shape])
+    replies = []
+
+    async def stream():
+        for i in range(sent):
+            yield averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(torch.full(shape, i + 1.0)), weight=1)
+        await asyncio.Event().wait()  # the end of its requests never comes: its close does
+
+    async def handler():
+        async for message in runner._accumulate_parts_streaming(stream(), 0):
+            replies.append(message)
+
+    serving = asyncio.create_task(handler())
+    await wait_for_async(lambda: len(replies) == sent, 10, "the replies")
+    serving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    await runner._ban_sender(runner.sender_peer_ids[0])  # what hivemind's handler does on any BaseException
+    assert (runner.sender_peer_ids[0] in runner.banned_senders) is (sent < 2)
+    assert runner.reducer_failed.is_set() is (sent < 2)
+
+
 @pytest.mark.parametrize("weights", [[-1.0], [math.nan], [math.inf], [1.0, 2.0]])
 async def test_a_sender_whose_weight_is_negative_not_finite_or_changing_is_refused_and_banned(weights):
     """The reducer's side of the weight rules. hivemind's sender asserts weight >= 0 only on its own side, so a
@@ -397,13 +440,7 @@ async def test_a_sender_whose_weight_is_negative_not_finite_or_changing_is_refus
     were reduced as usual."""
     shape = torch.Size([100])
     parts = [torch.full(shape, float(i + 1)) for i in range(len(weights))]
-    runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)  # only the reducer's side: no group, no network
-    runner.tensor_part_reducer = TensorPartReducer([shape] * len(parts), num_senders=1)
-    runner.tensor_part_container = SimpleNamespace(prefetch=1)
-    runner.sender_peer_ids, runner.banned_senders, runner.banlock = [PeerID(b"h" * 34)], set(), asyncio.Lock()
-    runner.max_weight = runner.max_total_weight = math.inf
-    runner.weight_caps = None
-    runner.weights, runner.reducer_failed = {}, asyncio.Event()
+    runner = _reducer_side([shape] * len(parts))
 
     async def stream():
         for part, weight in zip(parts, weights, strict=True):
@@ -681,19 +718,18 @@ def test_a_state_download_is_taken_only_whole():
     """A state ends with an end marker (hivemind_compat.STATE_END), which the peer downloading waits for: a state cut
     short (its last message lost in flight, as a stream closed right after it could lose it) is no download at all,
     where before the tensors that came were taken; a whole one is taken, and the sender holds the stream until the
-    downloader has read it and closed it (REPLY_LINGER_S, 60 s here: the second download does not wait for it)."""
+    downloader has read it and closed it (`reply_linger_s`, 60 s here: the second download does not wait for it)."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(3)]
     state = [torch.full((1000,), 1.0), torch.arange(3000, dtype=torch.float32)]
-    saved, hivemind_compat.REPLY_LINGER_S = hivemind_compat.REPLY_LINGER_S, 60.0  # before the processes fork
-    try:
-        with forking():  # see run_round
-            a, whole, cut = (
-                cls(averaged_tensors=[t.clone() for t in state], dht=dht, prefix="avgtest_whole", start=True)
-                for cls, dht in zip((StrictAverager, StrictAverager, CutShort), dhts, strict=True)
-            )
-    finally:
-        hivemind_compat.REPLY_LINGER_S = saved
+    a, whole, cut = (
+        cls(averaged_tensors=[t.clone() for t in state], dht=dht, prefix="avgtest_whole", start=False)
+        for cls, dht in zip((StrictAverager, StrictAverager, CutShort), dhts, strict=True)
+    )
+    with forking():  # see run_round
+        for averager in (a, whole, cut):
+            averager.reply_linger_s = 60.0
+            averager.run_in_background(await_ready=True)
     try:
         assert a.download_state(str(dhts[2].peer_id), timeout=10) is None, "a state cut short was taken"
         for _ in range(2):

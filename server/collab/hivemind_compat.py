@@ -89,9 +89,9 @@ CLIP_ITERATIONS = 3  # CenteredClip's iterations (robust aggregation; its paper 
 DOWNLOAD_POLL_S = 0.1  # how often a state download checks that its peer is still a live peer of the stage
 FIXED_GROUP_POLL_S = 0.01  # how often a part for our fixed group, sent before we began the round, checks again
 MAX_WAITING_PARTS = 32  # parts for a group we have not begun that wait for us at once; more are refused at once
-# how long a reducer holds a sender's stream after its last averaged part, for the sender to read it and close the
-# stream (ours does at once). Closed by the reducer instead, the last part was lost in flight in 7 of 25,300 streams
-# of 3 parts (hivemind's own handlers and callers, over p2pd on loopback); none of 16,500 held until the caller closed
+# how long a reducer holds a sender's stream after its last averaged part (and a peer its state download after the
+# end marker) for the other side to read it and close the stream, as ours does at once: closed by the sending side
+# right after its last message, that message was lost in flight now and then (StrictAverager.reply_linger_s)
 REPLY_LINGER_S = 5.0
 # the last message of a state download (its metadata; hivemind's first message carries the state's, in msgpack)
 STATE_END = b"\x00swarm: end of state"
@@ -312,6 +312,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         max_weight: float = math.inf,
         max_total_weight: float = math.inf,
         weight_caps: dict[PeerID, float] | None = None,
+        reply_linger_s: float = REPLY_LINGER_S,
         **kwargs,
     ):
         """`robust_clip` > 0: the parts we reduce are a robust mean (ClippedPartReducer), not the weighted mean.
@@ -323,6 +324,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         samples its admissions prove: server/collab/served.py); a sender it does not name weighs nothing (None: no
         such caps)."""
         self.max_weight, self.max_total_weight, self.weight_caps = max_weight, max_total_weight, weight_caps
+        self.reply_linger_s = reply_linger_s
+        self.complete_senders: set[PeerID] = set()  # senders all of whose parts we reduced: never banned after
         self.weights: dict[int, float] = {}  # sender index -> its weight as we count it, from its first part
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages, not differences
@@ -410,9 +413,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         done_sending = asyncio.Event()
         inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-        if self.should_delay_results(self.peer_id):
-            await done_sending.wait()
 
         def decoded(message: averaging_pb2.AveragingData) -> torch.Tensor:
             if message.code != averaging_pb2.AVERAGED_PART:
@@ -420,15 +420,20 @@ class ExactAllReduceRunner(AllReduceRunner):
             return deserialize_torch_tensor(message.tensor_part)
 
         received = 0
-        parts = amap_in_executor(
-            decoded, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=self.tensor_part_container.prefetch
-        )
-        async with contextlib.aclosing(parts):  # closing it cancels the read under way, which closes the stream
-            async for averaged in parts:
-                self.tensor_part_container.register_processed_part(peer_index, received, averaged)
-                received += 1
-                if received == expected:
-                    break
+        async with contextlib.aclosing(await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)) as stream:
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            parts = amap_in_executor(
+                decoded,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            )
+            async with contextlib.aclosing(parts):  # before the stream: it reads the stream
+                async for averaged in parts:
+                    self.tensor_part_container.register_processed_part(peer_index, received, averaged)
+                    received += 1
+                    if received == expected:
+                        break
         if received != expected:
             raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
 
@@ -463,7 +468,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         """A sender that failed (it never came within the sender timeout, broke off, or broke a rule): hivemind's
         reducer would average our part without it and send that part to the others, who would end the round as a
         success while we fail it (CI: a tied round whose third listed peer never came, one peer stepped on the other
-        two's average). The round fails for every peer instead."""
+        two's average). The round fails for every peer instead. A sender whose parts we all reduced is in every
+        part: its stream ending (as it does once it has read our replies) is no failure."""
+        if peer_id in self.complete_senders:
+            return
         async with self.banlock:
             if peer_id not in self.banned_senders:
                 self.banned_senders.add(peer_id)
@@ -508,10 +516,19 @@ class ExactAllReduceRunner(AllReduceRunner):
                         sender_index, part_index, part, weight=self.weights[sender_index]
                     )
                     part_index += 1
+                    if part_index == self.tensor_part_reducer.num_parts:  # in every part now: `_ban_sender`
+                        self.complete_senders.add(self.sender_peer_ids[sender_index])
                 except BannedException:
                     break  # the sender was banned meanwhile: its parts are no longer needed
                 reply = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+            if part_index == self.tensor_part_reducer.num_parts:
+                # every part came back averaged: hold the stream until the sender, having read them all, closes it
+                # (hivemind's stream handler then cancels this call, and the runner's handler bans whoever it was
+                # serving: `_ban_sender` spares a complete sender). Closed by us right after the last part, that part
+                # was lost in flight now and then. A reply cut short ends at once: its sender learns the round failed.
+                del part, averaged, reply  # a part each: not held while we wait
+                await asyncio.sleep(self.reply_linger_s)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -545,6 +562,7 @@ class StrictAverager(DecentralizedAverager):
     robust_clip = 0.0  # > 0: the parts this peer reduces are CenteredClip's robust mean (set before the process forks)
     max_weight = math.inf  # the most a peer's part weighs in the parts we reduce (set before the process forks)
     max_total_weight = math.inf  # the most the group's parts weigh together (set before the process forks)
+    reply_linger_s = REPLY_LINGER_S  # how long we hold a stream whose last message we sent (set before the fork)
     _weight_caps: dict[PeerID, float] | None = None  # the next rounds' caps of each member's weight (its process)
     _listed_read_at = float("-inf")
     runner_type: type[ExactAllReduceRunner] = ExactAllReduceRunner  # a test's runner may break a round's rules
@@ -661,24 +679,8 @@ class StrictAverager(DecentralizedAverager):
                     await asyncio.sleep(FIXED_GROUP_POLL_S)
             finally:
                 self._waiting_parts -= 1
-        received, ended = 0, False
-
-        async def counted() -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-            nonlocal received, ended
-            async for message in achain(as_aiter(request), stream):
-                received += 1
-                yield message
-            ended = True
-
-        replies = 0
-        async for message in super().rpc_aggregate_part(counted(), context):
-            replies += message.code == averaging_pb2.AVERAGED_PART
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
-        if ended and replies == received:
-            # every part came back averaged: hold the stream until the sender, having read them all, closes it
-            # (hivemind's stream handler then cancels this call). Closed by us right after the last part, that part
-            # was lost in flight now and then. A reply cut short ends at once: its sender learns the round failed.
-            await asyncio.sleep(REPLY_LINGER_S)
 
     def _waits_for(self, peer_id: PeerID) -> bool:
         """Whether a part `peer_id` sends for a group we have not begun waits for us: a member of the fixed group we
@@ -757,7 +759,7 @@ class StrictAverager(DecentralizedAverager):
             # the end: the peer downloading knows it has it all and closes the stream, which we hold until then
             # (closed by us right after the last part, the part could be lost in flight, as in rpc_aggregate_part)
             yield averaging_pb2.DownloadData(metadata=STATE_END)
-            await asyncio.sleep(REPLY_LINGER_S)
+            await asyncio.sleep(self.reply_linger_s)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -814,6 +816,7 @@ class StrictAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = self.runner_type(
             robust_clip=self.robust_clip,
+            reply_linger_s=self.reply_linger_s,
             max_weight=self.max_weight,
             max_total_weight=self.max_total_weight,
             weight_caps=self._weight_caps,

@@ -2,7 +2,7 @@
 in a fixed group (StrictAverager and the exact runner, each peer on its own DHT node and p2pd daemon), with each
 sender's stream to a reducer ended as hivemind ends it (the reducer closes right after its last averaged part; the
 sender reads on until then) against as ours does (the sender closes once every part came back; the reducer holds the
-stream until then: server/collab/hivemind_compat.py REPLY_LINGER_S). `--load N` runs N busy loops beside them (CI's
+stream until then: server/collab/hivemind_compat.py `reply_linger_s`). `--load N` runs N busy loops beside them (CI's
 machines are busy). A round fails one-sidedly when some peers end it and others do not.
 
     python -m tests.benchmarks.bench_rounds [--quick] [--peers G] [--rounds R] [--numel N] [--load N]
@@ -45,7 +45,6 @@ def run_rounds(name: str, peers: int, rounds: int, numel: int, part_bytes: int, 
     """`rounds` rounds of a fresh fixed group of `peers` averagers: how many failed, one-sidedly, and how long each
     took (ms, rounds every peer ended)."""
     runner, linger = VARIANTS[name]
-    hivemind_compat.REPLY_LINGER_S = linger  # read by the averagers' processes, which fork below
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(peers)]
     gen = torch.Generator().manual_seed(0)
@@ -64,7 +63,7 @@ def run_rounds(name: str, peers: int, rounds: int, numel: int, part_bytes: int, 
         for dht in dhts
     ]
     for averager in averagers:
-        averager.runner_type = runner
+        averager.runner_type, averager.reply_linger_s = runner, linger  # before the processes fork
     try:
         with forking():
             for averager in averagers:
