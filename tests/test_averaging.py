@@ -22,7 +22,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter
@@ -400,6 +400,56 @@ def _reducer_side(shapes: list[torch.Size]) -> ExactAllReduceRunner:
     runner.weights, runner.reducer_failed = {}, asyncio.Event()
     runner.complete_senders, runner.reply_linger_s = set(), 60.0
     return runner
+
+
+async def test_a_sender_closes_its_stream_to_a_reducer_as_soon_as_its_last_part_came_back():
+    """The sender's side of a stream to a remote reducer, over two real libp2p daemons: the reducer answers each of 3
+    parts and then holds the stream (60 s here, as `reply_linger_s` would). The sender registers the 3 averaged parts
+    and closes the stream at once, which ends the reducer's handler; hivemind's sender read on until the reducer
+    closed, so both would have waited out the hold."""
+    server, client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]), None
+    ended = asyncio.Event()
+
+    async def reducer(requests, _context):
+        try:
+            async for request in requests:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=request.tensor_part)
+            await asyncio.sleep(60.0)
+        finally:
+            ended.set()
+
+    try:
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        name = "avgtest_closes::rpc_aggregate_part"
+        await server.add_protobuf_handler(
+            name, reducer, averaging_pb2.AveragingData, stream_input=True, stream_output=True
+        )
+        parts = [torch.full((100,), float(i)) for i in range(3)]
+        got: list[torch.Tensor] = []
+
+        async def inputs():
+            for part in parts:
+                yield averaging_pb2.AveragingData(tensor_part=serialize_torch_tensor(part))
+
+        runner = ExactAllReduceRunner.__new__(ExactAllReduceRunner)  # the sender's side only
+        runner.tensor_part_container = SimpleNamespace(
+            num_parts_by_peer=[len(parts)], prefetch=1, register_processed_part=lambda _p, _i, t: got.append(t)
+        )
+        runner.peer_id, runner.reducer_timeout, runner.should_delay_results = client.peer_id, 10.0, lambda _peer: False
+        runner._generate_input_for_peer = lambda _index: inputs()
+        runner._get_peer_stub = lambda _peer: SimpleNamespace(
+            rpc_aggregate_part=lambda requests: client.iterate_protobuf_handler(
+                server.peer_id, name, requests, averaging_pb2.AveragingData
+            )
+        )
+        async with asyncio.timeout(10):
+            await runner._exchange_with(server.peer_id, 0)
+            assert all(torch.equal(x, y) for x, y in zip(got, parts, strict=True))
+            await ended.wait()  # the reducer's handler ended: our close reached it
+    finally:
+        for p2p in (client, server):
+            if p2p is not None:
+                await p2p.shutdown()
 
 
 @pytest.mark.parametrize("sent", [2, 1])
