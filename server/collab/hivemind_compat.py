@@ -400,7 +400,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         hivemind's `_communicate_with_peer` does), but closes the stream as soon as the last part has come, instead
         of reading on until the reducer closes it: a reducer that closed right after its last part lost that part in
         flight now and then (the round failed, "sent 2 parts, but we expected 3"), so ours holds the stream until
-        the sender closes it (`StrictAverager.rpc_aggregate_part`, REPLY_LINGER_S)."""
+        the sender closes it (`_accumulate_parts_streaming`, `reply_linger_s`)."""
         peer_index = self.ordered_peer_ids.index(peer_id)
         try:
             await self._exchange_with(peer_id, peer_index)

@@ -45,26 +45,27 @@ def run_rounds(name: str, peers: int, rounds: int, numel: int, part_bytes: int, 
     """`rounds` rounds of a fresh fixed group of `peers` averagers: how many failed, one-sidedly, and how long each
     took (ms, rounds every peer ended)."""
     runner, linger = VARIANTS[name]
-    boot = start_dht()
-    dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(peers)]
     gen = torch.Generator().manual_seed(0)
     prefix = f"bench_rounds_{time.monotonic_ns()}"
-    averagers = [
-        StrictAverager(
-            averaged_tensors=[torch.randn(numel, generator=gen)],
-            dht=dht,
-            prefix=prefix,
-            start=False,
-            min_matchmaking_time=1.0,
-            request_timeout=0.5,
-            allreduce_timeout=timeout,
-            part_size_bytes=part_bytes,
-        )
-        for dht in dhts
-    ]
-    for averager in averagers:
-        averager.runner_type, averager.reply_linger_s = runner, linger  # before the processes fork
-    try:
+    dhts: list = []
+    averagers: list[StrictAverager] = []
+    try:  # everything started so far ends, also when a later start fails
+        dhts.append(start_dht())
+        for _ in range(peers):
+            dhts.append(dht := start_dht([str(m) for m in dhts[0].get_visible_maddrs()]))
+            averagers.append(
+                StrictAverager(
+                    averaged_tensors=[torch.randn(numel, generator=gen)],
+                    dht=dht,
+                    prefix=prefix,
+                    start=False,
+                    min_matchmaking_time=1.0,
+                    request_timeout=0.5,
+                    allreduce_timeout=timeout,
+                    part_size_bytes=part_bytes,
+                )
+            )
+            averagers[-1].runner_type, averagers[-1].reply_linger_s = runner, linger  # before the processes fork
         with forking():
             for averager in averagers:
                 averager.run_in_background(await_ready=True)
@@ -92,7 +93,7 @@ def run_rounds(name: str, peers: int, rounds: int, numel: int, part_bytes: int, 
     finally:
         for averager in averagers:
             averager.shutdown()
-        for dht in [*dhts, boot]:
+        for dht in reversed(dhts):
             dht.shutdown()
 
 
