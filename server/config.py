@@ -280,6 +280,14 @@ class AveragingConfig:
             "choices": list(WHOLE_TENSOR_CODECS),
         },
     )
+    param_average_probe: bool = field(
+        default=True,
+        metadata={
+            "help": "before each --param-average-every round, a probe round of a few values learns whether every peer "
+            "of the group holds the same parameters (peers on one kind of device do: the all-reduce hands them the "
+            "same average), and then nothing is averaged (--no-param-average-probe: always average)"
+        },
+    )
     state_codec: str = field(
         default="none",
         metadata={

@@ -66,7 +66,7 @@ def _digested(meta: dict) -> dict:
     }
 
 
-def state_digest(tensors: list[torch.Tensor], meta: dict | None = None) -> str:
+def state_digest(tensors: Sequence[torch.Tensor], meta: dict | None = None) -> str:
     """sha256 of a state (hex, 32 digits): the dtype, shape and bytes of every tensor and, given `meta` (as
     `StageWorker.state_tensors` returns it, or as it arrived with a downloaded state), what `_digested` takes of it.
     Equal exactly for bitwise-equal states. A peer vouches for a state with it (server/collab/recovery.py), so it

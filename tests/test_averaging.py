@@ -697,7 +697,7 @@ async def test_parts_that_wait_for_a_first_fixed_round_are_bounded_and_strangers
     records do not list that peer, none waits."""
     averager = object.__new__(FixedGroupAverager)  # its handler's state only: no process, no DHT
     averager._parent_pid = -1  # hivemind's __del__ shuts down only the process that made it
-    averager._running_groups, averager._allreduce_timeout = {}, 1.0
+    averager._running_groups, averager._allreduce_timeout, averager._giving_way = {}, 1.0, set()
     averager._pending_groups_registered = asyncio.Event()
     averager._pending_groups_registered.set()
     forger = SimpleNamespace(remote_id=PeerID(b"\x00" * 34))

@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from trainer.data import load_corpus, microbatches
 
 pytestmark = [pytest.mark.integration]
 
+PROBED = "holds the same parameters: nothing to average"  # a server's log line (server/collab/averaging.py)
 MODEL_FLAGS = {"d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64, "n_stages": 3, "layers_per_stage": 2}
 LR, WEIGHT_DECAY, BATCH, GLOBAL_BATCH, EPOCHS = 1e-3, 0.01, 4, 16, 20
 TRAINERS, IN_FLIGHT = 2, 3  # 24 samples in flight: more than a global batch
@@ -49,12 +51,13 @@ def read_records(folder: Path) -> list[dict]:
 
 
 def run_swarm(
-    tmp: Path, codec: str, name: str, epochs: int, tied: bool = False
+    tmp: Path, codec: str, name: str, epochs: int, tied: bool = False, flags: Sequence[str] = ()
 ) -> tuple[list[dict], dict[tuple[int, int], dict]]:
     """3 stages x 2 peers, then (once all six serve) TRAINERS trainers with IN_FLIGHT microbatches each, until
     `epochs` global batches were trained. Returns the trainers' records (read_records) and each server's final weights
-    (saved by SIGTERM to its own checkpoint folder). `tied`: with --tie-embeddings."""
+    (saved by SIGTERM to its own checkpoint folder). `tied`: with --tie-embeddings. `flags`: the servers' too."""
     server_flags = [
+        *flags,
         *("--samples-per-step", str(GLOBAL_BATCH), "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY)),
         *("--clip-grad-norm", "0", "--allreduce-codec", codec, "--matchmaking-time", "0.5"),
         *("--progress-period", "0.1", "--no-rebalance", "--no-delay-optimizer-step", "--lookahead-samples", "0"),
@@ -169,7 +172,13 @@ def test_many_trainers_train_like_one_process_and_8bit_stays_close(tmp_path):
         assert peer_gap < 1e-6, "peers of a stage must hold the same parameters"
 
     epochs_8bit = 15  # a fixed number of steps, shorter than the exact run to keep CI short
-    records_8bit, _ = run_swarm(tmp_path, "blockwise8", "8bit", epochs_8bit)
+    # and parameter averaging every 3 epochs: peers that hold the same parameters (the all-reduce hands them one
+    # average) learn it from a probe round, and average nothing
+    records_8bit, _ = run_swarm(tmp_path, "blockwise8", "8bit", epochs_8bit, flags=["--param-average-every", "3"])
+    probed = [
+        s for s in range(3) if any(PROBED in p.read_text() for p in (tmp_path / "8bit").glob(f"server-s{s}-r*.log"))
+    ]
+    assert probed == [0, 1, 2], f"stages whose peers skipped a parameter round: {probed}"
 
     def loss_at(rs: list[dict], first: int, last: int) -> float:
         window = [r["loss"] for r in rs if first <= r["global_batch"] < last]

@@ -23,12 +23,13 @@ from hivemind.averaging.partition import AllreduceException
 from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
-from server.collab.averaging import ParameterAveraging, round_result
+from server.collab.averaging import PROBE_NUMEL, ParameterAveraging, round_result
 from server.collab.epoch import ADMISSION_REPLY_MARGIN_S, Phase, StageCollaboration
 from server.collab.hivemind_compat import AveragerClosed
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
 from server.stage_server import MAX_ANNOUNCES_IN_FLIGHT, PeerState, StageServer
+from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, StageStub, aio_channel
 from tests.conftest import free_port
@@ -127,7 +128,7 @@ def test_a_round_in_flight_gives_up_once_its_averager_closes():
     assert time.monotonic() - started < 1.5, "waited for the round's timeout instead"
 
     weight = torch.nn.Parameter(torch.ones(3))
-    buffers = [torch.zeros(3)]
+    buffers = [torch.zeros(3), torch.zeros(PROBE_NUMEL)]
     round_in_flight = Future()
     averager = SimpleNamespace(
         closing=False,
@@ -139,8 +140,8 @@ def test_a_round_in_flight_gives_up_once_its_averager_closes():
     worker = SimpleNamespace(stage_params=[weight], changing_state=contextlib.nullcontext)
     threading.Timer(0.3, lambda: setattr(averager, "closing", True)).start()
     started = time.monotonic()
-    parameters = ParameterAveraging(averager, AveragingConfig(averaging_timeout=10.0), codec=None)  # type: ignore[arg-type]
-    parameters.average(worker)  # type: ignore[arg-type]
+    parameters = ParameterAveraging(averager, AveragingConfig(averaging_timeout=10.0), get_codec("none"))  # type: ignore[arg-type]
+    parameters.average(worker, 1)  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.5, "the parameter round waited for its timeout instead"
     assert torch.equal(weight.detach(), torch.ones(3)) and parameters.bytes == 0
 

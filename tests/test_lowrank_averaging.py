@@ -3,10 +3,12 @@ one stage (real DHT, real hivemind averagers) average for real, end each round h
 joiner's download carries the factors."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from server.collab.averaging import ParameterAveraging
 from server.collab.lowrank import LowRankState
 from server.stage_server import StageServer
 from tests.peers import meet, stage_servers, start_server
@@ -128,21 +130,81 @@ async def test_two_stage_peers_average_power_sgd_factors_for_real():
         assert all(torch.equal(x, y) for x, y in zip(*shared, strict=True)), "the peers hold different factors"
 
 
-async def test_parameter_averaging_runs_only_when_asked_and_then_averages_for_real():
-    """--param-average-every N builds the parameter averager (without it no process idles for it): two stage peers
-    with different parameters end a round holding their plain mean."""
+GATHER_S = 4.0
+
+
+def parameter_averaging(server: StageServer) -> ParameterAveraging:
+    averaging = server.collab.averaging.parameters
+    assert averaging is not None, "built without --param-average-every"
+    return averaging
+
+
+async def test_parameter_averaging_runs_only_when_asked_and_only_where_the_peers_differ(caplog):
+    """--param-average-every N builds the parameter averager (without it no process idles for it). Two stage peers
+    with different parameters end a round holding their plain mean; peers that hold the same parameters learn it
+    from a probe round of a few values and average nothing. In fixed groups (the default) and with matchmaking. In a
+    fixed group, a probe that meets a member's other round gives way at once, and the parameter round that follows
+    succeeds at its first attempt: refused by the member still in its probe, it failed attempt after attempt; held
+    until that probe ended, it waited out the probe's gather time."""
     async with stage_servers() as (peers, servers):
         servers.append(await start_server(peers))
         assert servers[0].collab.averaging.parameters is None
         assert len(servers[0].collab.averaging.averagers()) == 1
-        a, b = await two_peers(peers, servers, param_average_every=1)
-        with torch.no_grad():
-            for k, server in enumerate((a, b)):
-                for p in server.worker.params:
-                    p.fill_(float(k * 2 + 1))  # 1 and 3: the mean is 2
-        await asyncio.gather(
-            *(asyncio.to_thread(s.collab.averaging.parameters.average, s.worker) for s in (a, b))  # type: ignore[union-attr]
+        # members that have not all begun a fixed round within --matchmaking-time fail it: long enough here that a
+        # probe which waited for that instead of giving way shows
+        pair = await two_peers(
+            peers, servers, param_average_every=1, matchmaking_time=GATHER_S, averaging_timeout=2 * GATHER_S
         )
-        for server in (a, b):
-            for p in server.worker.params:
-                assert torch.allclose(p, torch.full_like(p, 2.0)), p.flatten()[:3]
+        averaging = [parameter_averaging(s) for s in pair]
+        ids = [str(p.averager.peer_id) for p in averaging]
+
+        def fill(values: tuple[float, float]) -> None:
+            with torch.no_grad():
+                for server, value in zip(pair, values, strict=True):
+                    for p in server.worker.stage_params:
+                        p.fill_(value)
+
+        async def average_both(epoch: int, fixed: bool) -> None:
+            await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        p.average,
+                        s.worker,
+                        epoch,
+                        group_size=2,
+                        group=lambda other=other: [other] if fixed else None,  # None: matchmaking
+                    )
+                    for p, s, other in zip(averaging, pair, reversed(ids), strict=True)
+                )
+            )
+
+        n_values = sum(p.numel() for p in pair[0].worker.stage_params)
+        for epoch, (fixed, values, mean, skipped) in enumerate(
+            [
+                (True, (1.0, 3.0), 2.0, 0),  # different: averaged (the peers' first contact)
+                (True, (2.0, 2.0), 2.0, 1),  # the same: probed, not averaged
+                (True, (1.0, 5.0), 3.0, 1),
+                (False, (5.0, 5.0), 5.0, 2),
+                (False, (1.0, 5.0), 3.0, 2),
+            ],
+            start=1,
+        ):
+            fill(values)
+            sent = [p.bytes for p in averaging]
+            caplog.clear()
+            started = time.monotonic()
+            await average_both(epoch, fixed)
+            if epoch > 1:
+                failed = [r.getMessage() for r in caplog.records if "attempt failed" in r.getMessage()]
+                assert not failed, f"epoch {epoch}: {failed}"
+                assert time.monotonic() - started < GATHER_S / 2, f"epoch {epoch}: a probe waited out the gather time"
+            for server in pair:
+                for p in server.worker.stage_params:
+                    assert torch.equal(p, torch.full_like(p, mean)), (epoch, p.flatten()[:3])
+            for p, before in zip(averaging, sent, strict=True):
+                assert p.rounds_skipped == skipped, (epoch, p.rounds_skipped)
+                if values[0] == values[1]:
+                    assert p.bytes - before < 4096, f"epoch {epoch}: sent the parameters ({p.bytes - before} B)"
+                else:
+                    assert p.bytes - before >= 4 * n_values, f"epoch {epoch}: sent too little to average"
+        assert [p.rounds_ok for p in averaging] == [3, 3] and [p.rounds_failed for p in averaging] == [0, 0]

@@ -40,12 +40,15 @@ from server.collab.lowrank import (
     PowerSgdState,
 )
 from server.config import LOW_RANK_CODECS, AveragingConfig
-from server.worker import StageWorker
+from server.worker import StageWorker, state_digest
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
 
 ABANDON_POLL_S = 0.1  # how often a round in progress checks whether anyone is left to average with
 RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # after the 1st, 2nd, ... failed attempt of a round (then the last)
+PHASE_PARAMS = "params"  # a parameter round
+PHASE_DIGEST = "params-digest"  # its probe, whose round data names the digest of the peer's parameters
+PROBE_NUMEL = 64  # values a probe round averages: few, and a part for every member of a group of up to 64
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +129,9 @@ class StageAverager(StrictAverager):
         ]
 
 
-class GradientAveraging:
-    """A weighted all-reduce of one epoch's mean gradients (weight: samples behind them), retried within
-    --averaging-timeout. Compute thread or averaging pool."""
+class Rounds:
+    """All-reduce rounds of one averager, each retried within --averaging-timeout (`_run`): what gradient and
+    parameter averaging share. Compute thread or averaging pool."""
 
     attempt_log_level = logging.WARNING  # of an attempt that failed (the round may still succeed)
 
@@ -137,53 +140,16 @@ class GradientAveraging:
         of a stage end an epoch within moments of each other."""
         return self.cfg.matchmaking_time
 
-    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
+    def __init__(self, averager: StrictAverager, cfg: AveragingConfig, codec: Codec):
         self.averager, self.cfg, self.codec = averager, cfg, codec
         self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
         # the epoch -> the most each member's part may weigh in the parts we reduce, by libp2p id (None: no cap but
         # the averager's own); a member it does not name weighs nothing there
         self.weight_caps: Callable[[int], dict[str, float]] | None = None
         self.bytes = 0  # what this peer sent and received, from the encoded size of what it handed hivemind
-        self.fp32_bytes = 0  # what the same rounds of whole fp32 gradients would have sent and received
+        self.fp32_bytes = 0  # what the same rounds of whole fp32 tensors would have sent and received
         self.rounds_ok = self.rounds_failed = 0
         self.last_group_size = 0  # peers in the last round that succeeded, us included
-
-    def average(
-        self,
-        grads: list[torch.Tensor],
-        n_samples: int,
-        label: str,
-        round_tag: int,
-        finished_without_us: Callable[[], bool] = lambda: False,
-        retry_grace: float = 0.0,
-        nobody_left: Callable[[], bool] = lambda: False,
-        group_size: int | None = None,
-        group: Callable[[], list[str] | None] | None = None,
-    ) -> list[torch.Tensor] | None:
-        """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
-        every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
-        `retry_grace` seconds for that to become known before retrying. Once `nobody_left()` (every peer of the
-        stage stopped answering: dead or frozen), the round fails at once instead of waiting out its timeout for
-        them, which would hold the compute thread and the trainers' calls. `round_tag` (the epoch) travels with our
-        part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
-        for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them.
-        `group_size`: the peers in the round as the stage knows them, us included; the round begins once that many
-        have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs).
-        `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round: they alone make the
-        group of the first attempt, with no matchmaking (None, or None or [] returned: matchmaking)."""
-
-        def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, g in zip(buffers, grads, strict=True):
-                buf.copy_(g)
-
-        numel = sum(g.numel() for g in grads)
-        gather = [round_tag, PHASE_FULL, self.cfg.scheme]
-        waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
-        if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
-            return None
-        with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers]
-        return averaged if self._finite(averaged, label) else None
 
     def _run(
         self,
@@ -197,10 +163,13 @@ class GradientAveraging:
         nobody_left: Callable[[], bool],
         group_size: int | None = None,
         group: Callable[[], list[str] | None] | None = None,
+        *,
+        probe: bool = False,
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
-        `numel`: (values sent, values of the whole gradients), for the byte counts."""
+        `numel`: (values sent, values of the whole tensors), for the byte counts. `probe`: one attempt, whose
+        failure is an answer rather than a failed round (not counted, logged at DEBUG)."""
         started = time.monotonic()
         result, failures = None, 0
 
@@ -240,7 +209,9 @@ class GradientAveraging:
                 result = round_result(control, self.averager, self.cfg.averaging_timeout, nobody_left)
             except Exception as e:
                 control.cancel()
-                logger.log(self.attempt_log_level, "all-reduce attempt failed: %r", e)
+                logger.log(logging.DEBUG if probe else self.attempt_log_level, "all-reduce attempt failed: %r", e)
+                if probe:
+                    return False
                 # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
                 # round trip; a retry without them would wait the whole --averaging-timeout for a group.
                 # Do not start one and cancel it instead: hivemind may still run a cancelled step with a later group.
@@ -254,18 +225,21 @@ class GradientAveraging:
                 if not give_up():
                     time.sleep(min(RETRY_PAUSES_S[min(failures, len(RETRY_PAUSES_S)) - 1], max(0.0, remaining())))
         if result is None:
-            logger.warning("%s: all-reduce failed", label)
-            self.rounds_failed += 1
+            if not probe:
+                logger.warning("%s: all-reduce failed", label)
+                self.rounds_failed += 1
             return False
         tags = sorted({repr(tag) for tag in result.values()})
         if tags != [repr(gather)]:  # also refused in the averager's process, before anything is sent
             logger.warning("%s: the group averaged rounds %s together: treated as a failed round", label, tags)
-            self.rounds_failed += 1
+            self.rounds_failed += not probe
             return False
-        self.rounds_ok += 1
-        self.last_group_size = len(result)
         self.bytes += butterfly_bytes(self.codec, numel[0], torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel[1], torch.float32, len(result))
+        if probe:
+            return True
+        self.rounds_ok += 1
+        self.last_group_size = len(result)
         logger.info(
             "%s: averaged %d samples with %d peers in %.2fs", label, n_samples, len(result), time.monotonic() - started
         )
@@ -296,6 +270,49 @@ def round_result(
                 raise AveragerClosed("the peer is shutting down") from None
             if time.monotonic() >= deadline:
                 raise
+
+
+class GradientAveraging(Rounds):
+    """A weighted all-reduce of one epoch's mean gradients (weight: samples behind them)."""
+
+    averager: StageAverager
+
+    def average(
+        self,
+        grads: list[torch.Tensor],
+        n_samples: int,
+        label: str,
+        round_tag: int,
+        finished_without_us: Callable[[], bool] = lambda: False,
+        retry_grace: float = 0.0,
+        nobody_left: Callable[[], bool] = lambda: False,
+        group_size: int | None = None,
+        group: Callable[[], list[str] | None] | None = None,
+    ) -> list[torch.Tensor] | None:
+        """The group's average, or None if the round failed, or if `finished_without_us()` (a round that ended for
+        every other peer and not for us: nobody is left to retry with). After a failed attempt, wait up to
+        `retry_grace` seconds for that to become known before retrying. Once `nobody_left()` (every peer of the
+        stage stopped answering: dead or frozen), the round fails at once instead of waiting out its timeout for
+        them, which would hold the compute thread and the trainers' calls. `round_tag` (the epoch) travels with our
+        part: hivemind's matchmaking groups whoever is looking at the time, so with delayed steps one peer's round
+        for epoch e could meet another's for e + 1; a group whose tags differ is a failed round for all of them.
+        `group_size`: the peers in the round as the stage knows them, us included; the round begins once that many
+        have gathered instead of after --matchmaking-time (a peer we did not count fails this round and resyncs).
+        `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round: they alone make the
+        group of the first attempt, with no matchmaking (None, or None or [] returned: matchmaking)."""
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, g in zip(buffers, grads, strict=True):
+                buf.copy_(g)
+
+        numel = sum(g.numel() for g in grads)
+        gather = [round_tag, PHASE_FULL, self.cfg.scheme]
+        waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
+        if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
+            return None
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        return averaged if self._finite(averaged, label) else None
 
 
 class LowRankGradientAveraging(GradientAveraging):
@@ -397,48 +414,74 @@ class LowRankGradientAveraging(GradientAveraging):
         return averaged_factors, whole
 
 
-class ParameterAveraging:
+class ParameterAverager(StrictAverager):
+    """The parameter rounds' averager: its tensors are the stage's parameters, then a small probe tensor. A probe
+    round (phase PHASE_DIGEST, whose round data names the digest of the peer's parameters) averages the probe alone:
+    it meets only peers that gathered the same data, so it succeeds only if every member holds the same parameters."""
+
+    def __init__(self, params: Iterable[torch.Tensor], **kwargs):
+        probe = torch.zeros(PROBE_NUMEL)
+        super().__init__(averaged_tensors=[*(p.detach().cpu().clone() for p in params), probe], **kwargs)
+
+    def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        return local[-1:] if self.gives_way(gathered) else local[:-1]
+
+    def gives_way(self, gathered: object) -> bool:
+        """A probe: a member that asks us for another round holds other parameters (or was not told of us)."""
+        return isinstance(gathered, list | tuple) and len(gathered) == 3 and gathered[1] == PHASE_DIGEST
+
+
+class ParameterAveraging(Rounds):
     """A plain mean of the peers' parameters (weight 1 each), every --param-average-every epochs: pulls together peers
     whose optimizers round differently (devices of different kinds), which identical averaged gradients alone do not
-    keep equal. Compute thread."""
+    keep equal. Peers on one kind of device hold bitwise-equal parameters already: a probe round first (a few values)
+    learns whether every member of the group holds the same parameters, and then nothing is averaged. Compute
+    thread."""
 
-    def __init__(self, averager: StrictAverager, cfg: AveragingConfig, codec: Codec):
-        self.averager, self.cfg, self.codec = averager, cfg, codec
-        self.members: Callable[[], Iterable[str]] | None = None  # libp2p ids our groups may hold (None: anyone)
-        self.bytes = self.fp32_bytes = 0
+    averager: ParameterAverager
 
-    def average(self, worker: StageWorker) -> None:
-        """Replaces the worker's parameters with the group's mean; keeps them if nobody answers."""
-        self.averager.expect_group(None, None if self.members is None else self.members())
-        with self.averager.get_tensors() as buffers:
-            for buf, p in zip(buffers, worker.stage_params, strict=True):
+    def __init__(self, averager: ParameterAverager, cfg: AveragingConfig, codec: Codec):
+        super().__init__(averager, cfg, codec)
+        self.rounds_skipped = 0  # parameter rounds that did not run: the probe found every member holding ours
+
+    def average(
+        self,
+        worker: StageWorker,
+        epoch: int,
+        group_size: int | None = None,
+        group: Callable[[], list[str] | None] | None = None,
+        nobody_left: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Replaces the worker's parameters with the group's mean; keeps them if the round fails. `group_size`,
+        `group`, `nobody_left`: as GradientAveraging.average's."""
+        label = f"stage parameters at epoch {epoch}"
+        params = worker.stage_params
+        waits = (lambda: False, 0.0, nobody_left, group_size, group)
+        if self.cfg.param_average_probe:
+
+            def fill_probe(buffers: list[torch.Tensor]) -> None:
+                buffers[-1].zero_()  # what it averages is of no use: whether it succeeds is the answer
+
+            gather = [epoch, PHASE_DIGEST, state_digest(params)]
+            if self._run(fill_probe, 1, label, gather, (PROBE_NUMEL,) * 2, *waits, probe=True):
+                self.rounds_skipped += 1
+                logger.info("%s: every peer of the group holds the same parameters: nothing to average", label)
+                return
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, p in zip(buffers[:-1], params, strict=True):
                 buf.copy_(p.detach())
-        try:
-            control = self.averager.step(
-                scheduled_time=get_dht_time() + self.cfg.matchmaking_time,
-                timeout=self.cfg.averaging_timeout,
-                allow_retries=True,
-                wait=False,
-            )
-        except AveragerClosed:
-            return  # the peer is shutting down
-        try:
-            result = round_result(control, self.averager, self.cfg.averaging_timeout)
-        except AveragerClosed:
-            control.cancel()
-            return  # the peer is shutting down: its parameters stay its own
-        except Exception as e:
-            control.cancel()
-            logger.warning("parameter averaging raised %r", e)
+
+        numel = sum(p.numel() for p in params)
+        if not self._run(fill, 1, label, [epoch, PHASE_PARAMS, self.codec.name], (numel, numel), *waits):
             return
-        if result is None:
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers[:-1]]
+        if not self._finite(averaged, label):
             return
-        numel = sum(p.numel() for p in worker.stage_params)
-        self.bytes += butterfly_bytes(self.codec, numel, torch.float32, len(result))
-        self.fp32_bytes += butterfly_bytes(get_codec("none"), numel, torch.float32, len(result))
-        with worker.changing_state(), torch.no_grad(), self.averager.get_tensors() as buffers:
-            for buf, p in zip(buffers, worker.stage_params, strict=True):
-                p.copy_(buf)
+        with worker.changing_state(), torch.no_grad():
+            for p, a in zip(params, averaged, strict=True):
+                p.copy_(a)
 
 
 @dataclass
@@ -534,8 +577,8 @@ def build_averaging(
     parameters = None
     if cfg.param_average_every > 0:
         param_codec = policy.codec(TensorRole.PARAMETERS)
-        param_averager = StrictAverager(
-            averaged_tensors=[p.detach().cpu().clone() for p in worker.stage_params],
+        param_averager = ParameterAverager(
+            worker.stage_params,
             prefix=f"{prefix}_params",
             compression=hivemind_compression(param_codec),
             allow_state_sharing=False,

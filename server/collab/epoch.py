@@ -857,7 +857,14 @@ class StageCollaboration:
             # tell the stage first: a peer copying our state after a failed round waits for our new epoch
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
-            parameters.average(self.worker)
+            at = self.epoch  # the peers that stepped with us
+            parameters.average(
+                self.worker,
+                at,
+                group_size=1 + len(self.peers.group(at)),
+                group=(lambda: self.peers.group_p2p_ids(at)) if self.averaging_cfg.fixed_groups else None,
+                nobody_left=lambda: not self.peers.group(at),
+            )
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""

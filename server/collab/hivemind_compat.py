@@ -22,7 +22,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
 - `DecentralizedAverager.rpc_join_group` (extended), `._matchmaking.group_key_manager.get_averagers` (wrapped): to
   keep peers the stage does not list out of its groups;
 - `Matchmaking.look_for_group` (wrapped), `StepControl.data_for_gather`, `GroupInfo`, `._running_groups` and
-  `DecentralizedAverager.rpc_aggregate_part` (extended): fixed groups, which skip matchmaking;
+  `DecentralizedAverager.rpc_aggregate_part` (extended): fixed groups, which skip matchmaking; with
+  `AllReduceRunner.finalize`, rounds that give way to a member's other round;
 - `DecentralizedAverager.rpc_download_state` (extended), `.dht`, and the DHT node's
   `protocol.routing_table.peer_id_to_uid`: in private swarms, to serve our state only to peers that proved the swarm
   key to our DHT node, or that the stage's records list;
@@ -572,6 +573,7 @@ class StrictAverager(DecentralizedAverager):
         # take it (seen: a server's compute thread entering a round as the server stopped, and the server's
         # shutdown waiting on that thread). No step is sent once `shutdown` began.
         self._sending, self._closing, self._shut = threading.Lock(), False, False
+        self._giving_way: set[bytes] = set()  # groups of our fixed rounds that `gives_way` (averager's process)
         super().__init__(*args, **kwargs)
 
     @property
@@ -654,6 +656,8 @@ class StrictAverager(DecentralizedAverager):
         # every member computes the same order (who reduces which part), rotating with the round
         order = tuple(sorted(self._fixed, key=lambda p: hashlib.sha256(group_id + p.to_bytes()).digest()))
         same = self.serializer.dumps([1.0, AveragingMode.NODE.value, user_data])  # bandwidths alike: even parts
+        if self.gives_way(self.serializer.loads(user_data)):  # known before the group is registered as running
+            self._giving_way.add(group_id)
         return GroupInfo(group_id, order, (same,) * len(order))
 
     async def rpc_aggregate_part(
@@ -661,8 +665,9 @@ class StrictAverager(DecentralizedAverager):
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # typing's: hivemind reads the hint's `_name`
         """A member of our fixed group that reached the round before us waits for us (up to the all-reduce timeout)
         instead of being told at once that we know no such group; a request for another group while we run ours is
-        refused at once (hivemind's reply). At most MAX_WAITING_PARTS parts wait at once: before our first round any
-        listed peer's part may wait, and in a public swarm that is anyone's."""
+        refused at once (hivemind's reply), unless ours `gives_way`: then ours fails at once, and the request waits
+        for our next round. At most MAX_WAITING_PARTS parts wait at once: before our first round any listed peer's
+        part may wait, and in a public swarm that is anyone's."""
         request = await anext(stream)
         if (
             request.group_id not in self._running_groups
@@ -673,14 +678,27 @@ class StrictAverager(DecentralizedAverager):
             try:
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + (self._allreduce_timeout or 10.0)
-                while (
-                    request.group_id not in self._running_groups and not self._running_groups and loop.time() < deadline
-                ):
+                while request.group_id not in self._running_groups and loop.time() < deadline:
+                    if not set(self._running_groups) <= self._giving_way:
+                        break  # a round of ours runs: refused
+                    for group_id in self._running_groups:  # that member is in none of them: they cannot end
+                        self._give_way(group_id, context.remote_id)
                     await asyncio.sleep(FIXED_GROUP_POLL_S)
             finally:
                 self._waiting_parts -= 1
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    def gives_way(self, gathered: object) -> bool:
+        """The averager's process: whether our round that gathered this (in a fixed group) fails as soon as a member
+        asks us for another round, instead of waiting for that member's part: a round whose answer is whether every
+        member began it (ParameterAverager's probe)."""
+        return False
+
+    def _give_way(self, group_id: bytes, member: PeerID) -> None:
+        running = self._running_groups.get(group_id)
+        if running is not None and running.done() and not running.cancelled():  # its runner is built
+            running.result().finalize(exception=AllreduceException(f"member {member} began another round"))
 
     def _waits_for(self, peer_id: PeerID) -> bool:
         """Whether a part `peer_id` sends for a group we have not begun waits for us: a member of the fixed group we
@@ -807,6 +825,8 @@ class StrictAverager(DecentralizedAverager):
             return gathered
         except BaseException as e:
             raise MatchmakingException(f"Unable to run All-Reduce: {e!r}") from e
+        finally:
+            self._giving_way.discard(group_info.group_id)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """Averages `tensors` in place with the group. hivemind counts a round in which some reducers timed out as a

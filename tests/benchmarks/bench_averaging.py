@@ -1,8 +1,9 @@
 """Stage averaging's cost: a local swarm's samples/s with 2 servers per stage (gradient all-reduce every epoch) against
 1 server per stage (no all-reduce), and all-reduce rounds that begin once the stage's known peers have gathered
 (`--early-rounds`) against rounds that wait out `--matchmaking-time` (`--no-early-rounds`) and fixed groups
-(`--fixed-groups`, the default: the first attempt of a round skips matchmaking), and fixed groups with delayed
-parameter updates (`--delay-optimizer-step`: a stage serves the next epoch while its round runs).
+(`--fixed-groups`, the default: the first attempt of a round skips matchmaking), fixed groups with delayed
+parameter updates (`--delay-optimizer-step`: a stage serves the next epoch while its round runs), and parameter
+averaging every epoch with and without the probe that skips it when the peers' parameters are equal.
 
 Each variant is a fresh set of servers under its own swarm name on one DHT node, measured by one trainer over a
 window of its own progress after a warm-up; variants run one at a time (idle servers are not free on 2 cores) and in
@@ -11,6 +12,7 @@ swarm has no more compute than the 1x one: the ratio is what averaging (its proc
 drain while a round runs) costs.
 
     python -m tests.benchmarks.bench_averaging [--quick] [--stages S] [--batch-size B] [--in-flight K]
+        [--only WORDS] [--model-flags=FLAGS]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from swarm.cli import to_argv
 from tests.benchmarks import common, swarmrun
 
 TARGET = 0.90
+PARAMS_EVERY_EPOCH = ["--fixed-groups", "--param-average-every", "1"]
 VARIANTS = {  # name -> (servers per stage, extra server flags)
     "1 per stage, no all-reduce": (1, []),
     # as many processes as the swarms below, each stepping alone: what a second peer per stage costs on these cores
@@ -32,6 +35,13 @@ VARIANTS = {  # name -> (servers per stage, extra server flags)
     "2 per stage, fixed groups": (2, ["--fixed-groups"]),
     # the round overlaps the next epoch's compute (one step of staleness) instead of pausing the stage
     "2 per stage, fixed groups, delayed updates": (2, ["--fixed-groups", "--delay-optimizer-step"]),
+    # parameter averaging every epoch (--param-average-every 1): the peers' parameters averaged whole each time, or
+    # first a probe round that finds them equal (peers on one kind of device are) and averages nothing
+    "2 per stage, fixed groups, parameters averaged every epoch": (
+        2,
+        [*PARAMS_EVERY_EPOCH, "--no-param-average-probe"],
+    ),
+    "2 per stage, fixed groups, parameters probed every epoch": (2, PARAMS_EVERY_EPOCH),
 }
 REFERENCE = "1 per stage, no all-reduce"
 SOLO, DEFAULT = "2 per stage, no all-reduce (--solo)", "2 per stage, fixed groups"
@@ -40,6 +50,9 @@ SOLO, DEFAULT = "2 per stage, no all-reduce (--solo)", "2 per stage, fixed group
 def main(argv: list[str] | None = None) -> dict:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="local_debug", help="model preset (default: local_debug)")
+    p.add_argument(
+        "--model-flags", default="", help="more model flags, e.g. --model-flags='--d-model 384 --no-share-layers'"
+    )
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--in-flight", type=int, default=4, help="microbatches in flight in the trainer")
@@ -58,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"bench_averaging: {args.stages} stages, batch {args.batch_size}, in-flight {args.in_flight}, global batch "
         f"{args.samples_per_step}, {repeats} round(s), window {window:.0f}s"
     )
-    model = ["--preset", args.preset, "--n-stages", str(args.stages)]
+    model = ["--preset", args.preset, "--n-stages", str(args.stages), *args.model_flags.split()]
     results: dict[str, list[dict]] = {name: [] for name in variants}
     swarm = swarmrun.new_swarm(args.out, "averaging")
     with swarm:
