@@ -40,6 +40,7 @@ from server.collab.hivemind_compat import (
     balance_parts,
 )
 from swarm.compression import get_codec
+from tests.conftest import wait_for
 from tests.peers import wait_for_async
 
 pytestmark = pytest.mark.timeout(120)
@@ -764,17 +765,38 @@ class CutShort(StrictAverager):
 CutShort.__name__ = StrictAverager.__name__  # hivemind names a servicer's handlers after its class
 
 
+class CountsEnds(StrictAverager):
+    """Counts the state downloads it served whose handler has ended (in memory shared with its process)."""
+
+    def __init__(self, *args, **kwargs):
+        self.ended = torch.zeros(1).share_memory_()  # before the process forks
+        super().__init__(*args, **kwargs)
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the hint's `_name`
+        try:
+            async for message in super().rpc_download_state(request, context):
+                yield message
+        finally:
+            self.ended += 1
+
+
+CountsEnds.__name__ = StrictAverager.__name__
+
+
 def test_a_state_download_is_taken_only_whole():
     """A state ends with an end marker (hivemind_compat.STATE_END), which the peer downloading waits for: a state cut
     short (its last message lost in flight, as a stream closed right after it could lose it) is no download at all,
     where before the tensors that came were taken; a whole one is taken, and the sender holds the stream until the
-    downloader has read it and closed it (`reply_linger_s`, 60 s here: the second download does not wait for it)."""
+    downloader has read it and closed it (`reply_linger_s`, 60 s here: the second download does not wait for it, and
+    the sender's handler ends as soon as the downloader closed)."""
     boot = start_dht()
     dhts = [start_dht([str(m) for m in boot.get_visible_maddrs()]) for _ in range(3)]
     state = [torch.full((1000,), 1.0), torch.arange(3000, dtype=torch.float32)]
     a, whole, cut = (
         cls(averaged_tensors=[t.clone() for t in state], dht=dht, prefix="avgtest_whole", start=False)
-        for cls, dht in zip((StrictAverager, StrictAverager, CutShort), dhts, strict=True)
+        for cls, dht in zip((StrictAverager, CountsEnds, CutShort), dhts, strict=True)
     )
     with forking():  # see run_round
         for averager in (a, whole, cut):
@@ -782,9 +804,10 @@ def test_a_state_download_is_taken_only_whole():
             averager.run_in_background(await_ready=True)
     try:
         assert a.download_state(str(dhts[2].peer_id), timeout=10) is None, "a state cut short was taken"
-        for _ in range(2):
+        for n in range(1, 3):
             got = a.download_state(str(dhts[1].peer_id), timeout=10)
             assert got is not None and all(torch.equal(x, y) for x, y in zip(got[1], state, strict=True))
+            wait_for(lambda n=n: whole.ended.item() == n, 10, "the sender's handler to end once the download closed")
     finally:
         shut_down([a, whole, cut], [*dhts, boot])
 

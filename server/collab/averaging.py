@@ -48,7 +48,11 @@ ABANDON_POLL_S = 0.1  # how often a round in progress checks whether anyone is l
 RETRY_PAUSES_S = (0.05, 0.1, 0.2, 0.4, 0.8)  # after the 1st, 2nd, ... failed attempt of a round (then the last)
 PHASE_PARAMS = "params"  # a parameter round
 PHASE_DIGEST = "params-digest"  # its probe, whose round data names the digest of the peer's parameters
-PROBE_NUMEL = 64  # values a probe round averages: few, and a part for every member of a group of up to 64
+# a probe round averages this many tensors of one value each: hivemind gives each tensor smaller than its part size
+# to one reducer, so one tensor would make one member the round's only reducer; then two members whose digests
+# differ could each reduce all of their own round and send nothing to the other, which never learns that round is
+# not its own. With as many as there are members (up to PROBE_TENSORS), each reduces one, and hears from every other.
+PROBE_TENSORS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -415,16 +419,17 @@ class LowRankGradientAveraging(GradientAveraging):
 
 
 class ParameterAverager(StrictAverager):
-    """The parameter rounds' averager: its tensors are the stage's parameters, then a small probe tensor. A probe
-    round (phase PHASE_DIGEST, whose round data names the digest of the peer's parameters) averages the probe alone:
-    it meets only peers that gathered the same data, so it succeeds only if every member holds the same parameters."""
+    """The parameter rounds' averager: its tensors are the stage's parameters, then PROBE_TENSORS probe values. A
+    probe round (phase PHASE_DIGEST, whose round data names the digest of the peer's parameters) averages the probe
+    values alone: it meets only peers that gathered the same data, so it succeeds only if every member holds the same
+    parameters."""
 
     def __init__(self, params: Iterable[torch.Tensor], **kwargs):
-        probe = torch.zeros(PROBE_NUMEL)
-        super().__init__(averaged_tensors=[*(p.detach().cpu().clone() for p in params), probe], **kwargs)
+        probe = [torch.zeros(1) for _ in range(PROBE_TENSORS)]
+        super().__init__(averaged_tensors=[*(p.detach().cpu().clone() for p in params), *probe], **kwargs)
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        return local[-1:] if self.gives_way(gathered) else local[:-1]
+        return local[-PROBE_TENSORS:] if self.gives_way(gathered) else local[:-PROBE_TENSORS]
 
     def gives_way(self, gathered: object) -> bool:
         """A probe: a member that asks us for another round holds other parameters (or was not told of us)."""
@@ -460,23 +465,24 @@ class ParameterAveraging(Rounds):
         if self.cfg.param_average_probe:
 
             def fill_probe(buffers: list[torch.Tensor]) -> None:
-                buffers[-1].zero_()  # what it averages is of no use: whether it succeeds is the answer
+                for buf in buffers[-PROBE_TENSORS:]:
+                    buf.zero_()  # what it averages is of no use: whether it succeeds is the answer
 
             gather = [epoch, PHASE_DIGEST, state_digest(params)]
-            if self._run(fill_probe, 1, label, gather, (PROBE_NUMEL,) * 2, *waits, probe=True):
+            if self._run(fill_probe, 1, label, gather, (PROBE_TENSORS,) * 2, *waits, probe=True):
                 self.rounds_skipped += 1
                 logger.info("%s: every peer of the group holds the same parameters: nothing to average", label)
                 return
 
         def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, p in zip(buffers[:-1], params, strict=True):
+            for buf, p in zip(buffers[:-PROBE_TENSORS], params, strict=True):
                 buf.copy_(p.detach())
 
         numel = sum(p.numel() for p in params)
         if not self._run(fill, 1, label, [epoch, PHASE_PARAMS, self.codec.name], (numel, numel), *waits):
             return
         with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers[:-1]]
+            averaged = [b.clone() for b in buffers[:-PROBE_TENSORS]]
         if not self._finite(averaged, label):
             return
         with worker.changing_state(), torch.no_grad():
@@ -584,6 +590,8 @@ def build_averaging(
             allow_state_sharing=False,
             **common,
         )
+        # as the gradient averager's: a member's part that reaches us before our first fixed round waits for it
+        param_averager.fixed_groups = cfg.fixed_groups
         parameters = ParameterAveraging(param_averager, cfg, param_codec)
     if sdht.swarm_key is not None:  # private swarm: only listed peers take our state or join our groups
         for averager_of_stage in (averager, *([parameters.averager] if parameters else [])):
