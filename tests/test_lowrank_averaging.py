@@ -140,7 +140,7 @@ def parameter_averaging(server: StageServer) -> ParameterAveraging:
 
 
 async def test_parameter_averaging_runs_only_when_asked_and_only_where_the_peers_differ(caplog):
-    """--param-average-every N builds the parameter averager (without it no process idles for it). Two stage peers
+    """--param-average-every N averages parameters, on the gradient rounds' averager. Two stage peers
     with different parameters end a round holding their plain mean; peers that hold the same parameters learn it
     from a probe round of a few values and average nothing. In fixed groups (the default) and with matchmaking. In a
     fixed group, a probe that meets a member's other round gives way at once, and the parameter round that follows
@@ -156,6 +156,7 @@ async def test_parameter_averaging_runs_only_when_asked_and_only_where_the_peers
             peers, servers, param_average_every=1, matchmaking_time=GATHER_S, averaging_timeout=2 * GATHER_S
         )
         averaging = [parameter_averaging(s) for s in pair]
+        assert len(pair[0].collab.averaging.averagers()) == 1, "parameter rounds need no process of their own"
         ids = [str(p.averager.peer_id) for p in averaging]
 
         def fill(values: tuple[float, float]) -> None:

@@ -9,6 +9,7 @@ that blocks is called on the stage's compute thread or the collaboration's avera
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ PHASE_DIGEST = "params-digest"  # its probe, whose round data names the digest o
 # differ could each reduce all of their own round and send nothing to the other, which never learns that round is
 # not its own. With as many as there are members (up to PROBE_TENSORS), each reduces one, and hears from every other.
 PROBE_TENSORS = 16
+# attempts of a probe: a member still in the round before (the stage's gradient round) refuses a probe's part at once,
+# and one whose digest differs makes a retry fail as fast (it has begun the parameter round by then)
+PROBE_ATTEMPTS = 2
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +79,21 @@ class StageAverager(StrictAverager):
     Every round gathers (epoch, phase, scheme) from each peer of its group, and runs only if they all agree: a group
     that met across epochs, or across averaging settings, fails before sending anything. The phase says what is
     averaged: the gradients whole; with ACP-SGD the P or Q factors of the low-rank tensors and the rest whole; with
-    PowerSGD the P factors and the rest whole, then the Q factors alone."""
+    PowerSGD the P factors and the rest whole, then the Q factors alone; the parameters (ParameterAveraging: the
+    buffers hold them for that round, sent with `param_compression`, each peer's weighing 1), or a probe of
+    PROBE_TENSORS values whose scheme is the digest of the peer's parameters."""
 
-    def __init__(self, worker: StageWorker, lowrank: LowRankState | None = None, **kwargs):
+    def __init__(
+        self,
+        worker: StageWorker,
+        lowrank: LowRankState | None = None,
+        param_compression: CompressionBase | None = None,
+        **kwargs,
+    ):
         self._worker, self.lowrank = worker, lowrank  # before super().__init__: the state thread may ask at once
+        self.param_compression = param_compression or NoCompression()
+        # a probe's values, of no use (whether its round succeeds is the answer): never read, so not shared
+        self.probe = [torch.zeros(1) for _ in range(PROBE_TENSORS)]
         # shared memory, allocated before the averager's process forks: the round's factors travel through these
         self.factors = {
             phase: [torch.zeros(shape).share_memory_() for shape in lowrank.layout.factor_shapes(phase)]
@@ -118,11 +133,13 @@ class StageAverager(StrictAverager):
         return worker_tensors, factors
 
     def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The averager's process: an (epoch, phase, scheme) round averages the whole gradients or the phase's
-        factors."""
-        phase = gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
-        if phase == PHASE_FULL:
+        """The averager's process: an (epoch, phase, scheme) round averages the whole gradients (or the parameters
+        they hold for a parameter round), the phase's factors, or the probe."""
+        phase = str(_phase(gathered))
+        if phase in (PHASE_FULL, PHASE_PARAMS):
             return local
+        if phase == PHASE_DIGEST:
+            return self.probe
         if self.lowrank is None or phase not in (PHASE_P, PHASE_Q, PHASE_PSGD_P, PHASE_PSGD_Q):
             raise ValueError(f"a round of phase {phase!r} on an averager without low-rank factors")
         if phase == PHASE_PSGD_Q:  # PowerSGD's second round: the tensors kept whole went in its first
@@ -131,6 +148,23 @@ class StageAverager(StrictAverager):
             *self.factors[PHASE_P if phase == PHASE_PSGD_P else phase],
             *(local[i] for i in self.lowrank.layout.whole),
         ]
+
+    def round_settings(self, gathered: object) -> dict:
+        """Parameter rounds and their probes: a plain mean (weight 1 each, no robust clipping, no caps from the
+        epoch's admissions) with `param_compression`."""
+        if _phase(gathered) not in (PHASE_PARAMS, PHASE_DIGEST):
+            return {}
+        rules = dict(robust_clip=0.0, max_weight=1.0, max_total_weight=math.inf, weight_caps=None)
+        return dict(compression=self.param_compression, **rules)
+
+    def gives_way(self, gathered: object) -> bool:
+        """A probe: a member that asks us for another round holds other parameters (or was not told of us)."""
+        return _phase(gathered) == PHASE_DIGEST
+
+
+def _phase(gathered: object) -> object:
+    """The phase of what a round gathered ([epoch, phase, scheme])."""
+    return gathered[1] if isinstance(gathered, list | tuple) and len(gathered) == 3 else PHASE_FULL
 
 
 class Rounds:
@@ -172,8 +206,8 @@ class Rounds:
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
-        `numel`: (values sent, values of the whole tensors), for the byte counts. `probe`: one attempt, whose
-        failure is an answer rather than a failed round (not counted, logged at DEBUG)."""
+        `numel`: (values sent, values of the whole tensors), for the byte counts. `probe`: PROBE_ATTEMPTS attempts,
+        whose failure is an answer rather than a failed round (not counted, logged at DEBUG)."""
         started = time.monotonic()
         result, failures = None, 0
 
@@ -214,7 +248,7 @@ class Rounds:
             except Exception as e:
                 control.cancel()
                 logger.log(logging.DEBUG if probe else self.attempt_log_level, "all-reduce attempt failed: %r", e)
-                if probe:
+                if probe and failures + 1 >= PROBE_ATTEMPTS:
                     return False
                 # A round can end for our peers and fail for us. Their report of the next epoch arrives within a
                 # round trip; a retry without them would wait the whole --averaging-timeout for a group.
@@ -418,24 +452,6 @@ class LowRankGradientAveraging(GradientAveraging):
         return averaged_factors, whole
 
 
-class ParameterAverager(StrictAverager):
-    """The parameter rounds' averager: its tensors are the stage's parameters, then PROBE_TENSORS probe values. A
-    probe round (phase PHASE_DIGEST, whose round data names the digest of the peer's parameters) averages the probe
-    values alone: it meets only peers that gathered the same data, so it succeeds only if every member holds the same
-    parameters."""
-
-    def __init__(self, params: Iterable[torch.Tensor], **kwargs):
-        probe = [torch.zeros(1) for _ in range(PROBE_TENSORS)]
-        super().__init__(averaged_tensors=[*(p.detach().cpu().clone() for p in params), *probe], **kwargs)
-
-    def round_tensors(self, gathered: object, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        return local[-PROBE_TENSORS:] if self.gives_way(gathered) else local[:-PROBE_TENSORS]
-
-    def gives_way(self, gathered: object) -> bool:
-        """A probe: a member that asks us for another round holds other parameters (or was not told of us)."""
-        return isinstance(gathered, list | tuple) and len(gathered) == 3 and gathered[1] == PHASE_DIGEST
-
-
 class ParameterAveraging(Rounds):
     """A plain mean of the peers' parameters (weight 1 each), every --param-average-every epochs: pulls together peers
     whose optimizers round differently (devices of different kinds), which identical averaged gradients alone do not
@@ -443,9 +459,9 @@ class ParameterAveraging(Rounds):
     learns whether every member of the group holds the same parameters, and then nothing is averaged. Compute
     thread."""
 
-    averager: ParameterAverager
+    averager: StageAverager
 
-    def __init__(self, averager: ParameterAverager, cfg: AveragingConfig, codec: Codec):
+    def __init__(self, averager: StageAverager, cfg: AveragingConfig, codec: Codec):
         super().__init__(averager, cfg, codec)
         self.rounds_skipped = 0  # parameter rounds that did not run: the probe found every member holding ours
 
@@ -465,8 +481,7 @@ class ParameterAveraging(Rounds):
         if self.cfg.param_average_probe:
 
             def fill_probe(buffers: list[torch.Tensor]) -> None:
-                for buf in buffers[-PROBE_TENSORS:]:
-                    buf.zero_()  # what it averages is of no use: whether it succeeds is the answer
+                pass  # the probe averages values of its own (StageAverager.probe)
 
             gather = [epoch, PHASE_DIGEST, state_digest(params)]
             if self._run(fill_probe, 1, label, gather, (PROBE_TENSORS,) * 2, *waits, probe=True):
@@ -475,14 +490,14 @@ class ParameterAveraging(Rounds):
                 return
 
         def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, p in zip(buffers[:-PROBE_TENSORS], params, strict=True):
+            for buf, p in zip(buffers, params, strict=True):
                 buf.copy_(p.detach())
 
         numel = sum(p.numel() for p in params)
         if not self._run(fill, 1, label, [epoch, PHASE_PARAMS, self.codec.name], (numel, numel), *waits):
             return
         with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers[:-PROBE_TENSORS]]
+            averaged = [b.clone() for b in buffers]
         if not self._finite(averaged, label):
             return
         with worker.changing_state(), torch.no_grad():
@@ -492,8 +507,8 @@ class ParameterAveraging(Rounds):
 
 @dataclass
 class Averaging:
-    """How one stage averages: its gradient all-reduce, parameter averaging (None unless --param-average-every: no
-    averager process idles for it), and the averager that shares state."""
+    """How one stage averages: its gradient all-reduce, parameter averaging (None unless --param-average-every; its
+    rounds are the gradient averager's), and the averager that shares state."""
 
     gradients: GradientAveraging
     parameters: ParameterAveraging | None
@@ -526,7 +541,8 @@ class Averaging:
         self.gradients.weight_caps = caps
 
     def averagers(self) -> tuple[DecentralizedAverager, ...]:
-        return tuple(part.averager for part in self._parts())
+        """Each process once (parameter rounds run on the gradient averager)."""
+        return tuple(dict.fromkeys(part.averager for part in self._parts()))
 
     def launch(self) -> None:
         """Main thread: fork the averagers' processes (wait for them with `wait_until_ready`)."""
@@ -568,9 +584,11 @@ def build_averaging(
         layout = Layout.of([p.shape for p in worker.stage_params], cfg.allreduce_rank)
         kind = AcpState if cfg.allreduce_codec == "acp" else PowerSgdState
         lowrank = kind(layout, stage + 1, cfg.allreduce_error_feedback, cfg.allreduce_query_reuse)
+    param_codec = policy.codec(TensorRole.PARAMETERS)
     averager = StageAverager(
         worker,
         lowrank,
+        param_compression=hivemind_compression(param_codec),
         prefix=prefix,
         compression=hivemind_compression(grad_codec),
         state_compression=hivemind_compression(policy.codec(TensorRole.STATE)),
@@ -580,22 +598,10 @@ def build_averaging(
     )
     averager.robust_clip = cfg.robust_clip
     averager.fixed_groups = cfg.fixed_groups
-    parameters = None
-    if cfg.param_average_every > 0:
-        param_codec = policy.codec(TensorRole.PARAMETERS)
-        param_averager = ParameterAverager(
-            worker.stage_params,
-            prefix=f"{prefix}_params",
-            compression=hivemind_compression(param_codec),
-            allow_state_sharing=False,
-            **common,
-        )
-        # as the gradient averager's: a member's part that reaches us before our first fixed round waits for it
-        param_averager.fixed_groups = cfg.fixed_groups
-        parameters = ParameterAveraging(param_averager, cfg, param_codec)
+    # parameter rounds are rounds of the same averager (phases of their own): no second process per peer
+    parameters = ParameterAveraging(averager, cfg, param_codec) if cfg.param_average_every > 0 else None
     if sdht.swarm_key is not None:  # private swarm: only listed peers take our state or join our groups
-        for averager_of_stage in (averager, *([parameters.averager] if parameters else [])):
-            averager_of_stage.listed_under = stage_key(sdht.swarm_name, stage)
+        averager.listed_under = stage_key(sdht.swarm_name, stage)
     return Averaging(
         gradients=LowRankGradientAveraging(averager, cfg, grad_codec, lowrank)
         if lowrank

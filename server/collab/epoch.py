@@ -128,8 +128,6 @@ class StageCollaboration:
         if self.tied is not None:
             self.tied.averager.max_weight = float(self._most_samples())
             self.tied.averager.max_total_weight = float(2 * self._epoch_total())
-        if self.averaging.parameters is not None:
-            self.averaging.parameters.averager.max_weight = 1.0
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)

@@ -795,6 +795,11 @@ class StrictAverager(DecentralizedAverager):
         averaged tensors here; a subclass may pick others, allocated in shared memory before the process forked)."""
         return local
 
+    def round_settings(self, gathered: object) -> dict:
+        """The averager's process: what a round that gathered this runs with instead of the averager's own
+        (`compression`, `robust_clip`, `max_weight`, `max_total_weight`, `weight_caps`); none here."""
+        return {}
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         """hivemind's, but a group whose peers gathered different round data (another epoch's round, or another
         phase of it) fails before anything is sent, and the round averages the tensors `round_tensors` picks."""
@@ -818,6 +823,7 @@ class StrictAverager(DecentralizedAverager):
                 tensors = self.round_tensors(gathered[self.peer_id], local)
                 if tensors is not local:
                     kwargs.pop("tensor_infos", None)  # those describe the averaged tensors
+                kwargs |= self.round_settings(gathered[self.peer_id])
                 fractions = await asyncio.get_event_loop().run_in_executor(
                     None, balance_parts, sum(t.numel() for t in tensors), download_bandwidths, min_vector_size
                 )
@@ -834,19 +840,21 @@ class StrictAverager(DecentralizedAverager):
         in which we excluded a sender that timed out from the part we reduced. Such a round fails here, so that the
         caller retries it."""
         group_id = group_info.group_id if group_id is None else group_id
-        runner = self.runner_type(
+        rules = dict(  # a round's own settings (`round_settings`) override these
             robust_clip=self.robust_clip,
-            reply_linger_s=self.reply_linger_s,
             max_weight=self.max_weight,
             max_total_weight=self.max_total_weight,
             weight_caps=self._weight_caps,
+        )
+        runner = self.runner_type(
+            reply_linger_s=self.reply_linger_s,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
-            **kwargs,
+            **(rules | kwargs),
         )
         self._running_groups[group_id].set_result(runner)
         if self._averaging_alpha != 1.0:
