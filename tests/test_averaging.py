@@ -21,7 +21,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -29,7 +29,7 @@ from hivemind.utils.asyncio import as_aiter
 
 from dht.forking import forking
 from dht.node import start_dht
-from server.collab.averaging import hivemind_compression
+from server.collab.averaging import PHASE_DIGEST, PHASE_PARAMS, StageAverager, hivemind_compression
 from server.collab.hivemind_compat import (
     MAX_WAITING_PARTS,
     AveragerClosed,
@@ -39,6 +39,7 @@ from server.collab.hivemind_compat import (
     _declared,
     balance_parts,
 )
+from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q
 from swarm.compression import get_codec
 from tests.conftest import wait_for
 from tests.peers import wait_for_async
@@ -689,6 +690,27 @@ def test_a_peer_that_begins_its_first_fixed_round_late_is_waited_for():
                 assert torch.equal(got, torch.full((5000,), 2.5)), got[:3]
     finally:
         shut_down(peers, [*dhts, boot])
+
+
+def test_only_parameter_rounds_and_their_probes_run_with_settings_of_their_own_and_only_probes_give_way():
+    """Gradient rounds (whole, ACP's and PowerSGD's phases) keep the averager's own settings (codec, admission caps,
+    robust clipping, epoch bounds) and never give way to a member's other round; a parameter round is a plain mean
+    with --param-average-codec, and its probe, the only round that gives way, travels uncompressed."""
+    averager = object.__new__(StageAverager)  # its rules only: no process, no DHT
+    averager._parent_pid = -1  # hivemind's __del__ shuts down only the process that made it
+    averager.param_compression = hivemind_compression(get_codec("blockwise8"))
+    for phase in (PHASE_FULL, PHASE_P, PHASE_Q, PHASE_PSGD_P, PHASE_PSGD_Q, "made-up"):
+        assert averager.round_settings([3, phase, "blockwise8"]) == {}, phase
+        assert not averager.gives_way([3, phase, "blockwise8"]), phase
+    assert not averager.gives_way("not a round") and averager.round_settings(None) == {}
+    plain = dict(robust_clip=0.0, max_weight=1.0, max_total_weight=math.inf, weight_caps=None)
+    assert averager.round_settings([3, PHASE_PARAMS, "blockwise8"]) == {
+        **plain,
+        "compression": averager.param_compression,
+    }
+    probe = averager.round_settings([3, PHASE_DIGEST, "0f" * 16])
+    assert isinstance(probe.pop("compression"), NoCompression) and probe == plain
+    assert averager.gives_way([3, PHASE_DIGEST, "0f" * 16]) and not averager.gives_way([3, PHASE_PARAMS, "none"])
 
 
 async def test_parts_that_wait_for_a_first_fixed_round_are_bounded_and_strangers_never_wait():

@@ -140,7 +140,8 @@ def test_a_round_in_flight_gives_up_once_its_averager_closes():
     worker = SimpleNamespace(stage_params=[weight], changing_state=contextlib.nullcontext)
     threading.Timer(0.3, lambda: setattr(averager, "closing", True)).start()
     started = time.monotonic()
-    parameters = ParameterAveraging(averager, AveragingConfig(averaging_timeout=10.0), get_codec("none"))  # type: ignore[arg-type]
+    no_probe = AveragingConfig(averaging_timeout=10.0, param_average_probe=False)  # the parameter round itself
+    parameters = ParameterAveraging(averager, no_probe, get_codec("none"))  # type: ignore[arg-type]
     parameters.average(worker, 1)  # type: ignore[arg-type]
     assert time.monotonic() - started < 1.5, "the parameter round waited for its timeout instead"
     assert torch.equal(weight.detach(), torch.ones(3)) and parameters.bytes == 0

@@ -57,6 +57,7 @@ PROBE_TENSORS = 16
 # attempts of a probe: a member still in the round before (the stage's gradient round) refuses a probe's part at once,
 # and one whose digest differs makes a retry fail as fast (it has begun the parameter round by then)
 PROBE_ATTEMPTS = 2
+PARAM_ROUND_GATHERS = 3  # a parameter round's attempts begin within this many gather times (`Rounds.gather_timeout`)
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ class StageAverager(StrictAverager):
         if _phase(gathered) not in (PHASE_PARAMS, PHASE_DIGEST):
             return {}
         rules = dict(robust_clip=0.0, max_weight=1.0, max_total_weight=math.inf, weight_caps=None)
-        return dict(compression=self.param_compression, **rules)
+        probe = _phase(gathered) == PHASE_DIGEST  # (a codec's overhead on one value is larger than the value)
+        return dict(compression=NoCompression() if probe else self.param_compression, **rules)
 
     def gives_way(self, gathered: object) -> bool:
         """A probe: a member that asks us for another round holds other parameters (or was not told of us)."""
@@ -203,16 +205,19 @@ class Rounds:
         group: Callable[[], list[str] | None] | None = None,
         *,
         probe: bool = False,
+        budget: float | None = None,
     ) -> bool:
         """Rounds until one succeeds (True) or the timeout; `fill` writes our part into the averager's buffers.
         `gather` (epoch, phase, scheme) travels with our part: peers whose parts would not add up never average.
         `numel`: (values sent, values of the whole tensors), for the byte counts. `probe`: PROBE_ATTEMPTS attempts,
-        whose failure is an answer rather than a failed round (not counted, logged at DEBUG)."""
+        whose failure is an answer rather than a failed round (not counted, logged at DEBUG); it fails unless the
+        whole group it expected (`group_size`) took part. `budget`: seconds in which attempts may begin (by default
+        --averaging-timeout)."""
         started = time.monotonic()
         result, failures = None, 0
 
         def remaining() -> float:
-            return self.cfg.averaging_timeout - (time.monotonic() - started)
+            return (self.cfg.averaging_timeout if budget is None else budget) - (time.monotonic() - started)
 
         def give_up() -> bool:
             return remaining() <= 0 or finished_without_us() or nobody_left() or self.averager.closing
@@ -274,8 +279,8 @@ class Rounds:
             return False
         self.bytes += butterfly_bytes(self.codec, numel[0], torch.float32, len(result))
         self.fp32_bytes += butterfly_bytes(get_codec("none"), numel[1], torch.float32, len(result))
-        if probe:
-            return True
+        if probe:  # (a matchmade group may hold fewer: the rest did not take part, and would average alone)
+            return group_size is None or len(result) >= group_size
         self.rounds_ok += 1
         self.last_group_size = len(result)
         logger.info(
@@ -494,7 +499,12 @@ class ParameterAveraging(Rounds):
                 buf.copy_(p.detach())
 
         numel = sum(p.numel() for p in params)
-        if not self._run(fill, 1, label, [epoch, PHASE_PARAMS, self.codec.name], (numel, numel), *waits):
+        # attempts begin within a few gather times: the members are in the round together, or one of them is not
+        # (its probe succeeded where ours failed, and it went on: alone we would hold the compute thread, and refuse
+        # the members' next gradient parts, for the whole --averaging-timeout)
+        budget = PARAM_ROUND_GATHERS * self.gather_timeout()
+        gather = [epoch, PHASE_PARAMS, self.codec.name]
+        if not self._run(fill, 1, label, gather, (numel, numel), *waits, budget=budget):
             return
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]

@@ -23,7 +23,8 @@ An upgrade of hivemind means re-reading exactly what this module touches:
   keep peers the stage does not list out of its groups;
 - `Matchmaking.look_for_group` (wrapped), `StepControl.data_for_gather`, `GroupInfo`, `._running_groups` and
   `DecentralizedAverager.rpc_aggregate_part` (extended): fixed groups, which skip matchmaking; with
-  `AllReduceRunner.finalize`, rounds that give way to a member's other round;
+  `AllReduceRunner.finalize` and `._register_allreduce_group` (extended), rounds that give way to a member's other
+  round;
 - `DecentralizedAverager.rpc_download_state` (extended), `.dht`, and the DHT node's
   `protocol.routing_table.peer_id_to_uid`: in private swarms, to serve our state only to peers that proved the swarm
   key to our DHT node, or that the stage's records list;
@@ -657,6 +658,7 @@ class StrictAverager(DecentralizedAverager):
         order = tuple(sorted(self._fixed, key=lambda p: hashlib.sha256(group_id + p.to_bytes()).digest()))
         same = self.serializer.dumps([1.0, AveragingMode.NODE.value, user_data])  # bandwidths alike: even parts
         if self.gives_way(self.serializer.loads(user_data)):  # known before the group is registered as running
+            self._giving_way &= set(self._running_groups)  # (one of a step cancelled before it ran never ends)
             self._giving_way.add(group_id)
         return GroupInfo(group_id, order, (same,) * len(order))
 
@@ -692,13 +694,16 @@ class StrictAverager(DecentralizedAverager):
     def gives_way(self, gathered: object) -> bool:
         """The averager's process: whether our round that gathered this (in a fixed group) fails as soon as a member
         asks us for another round, instead of waiting for that member's part: a round whose answer is whether every
-        member began it (ParameterAverager's probe)."""
+        member began it (server/collab/averaging.py: a parameter round's probe)."""
         return False
 
     def _give_way(self, group_id: bytes, member: PeerID) -> None:
         running = self._running_groups.get(group_id)
         if running is not None and running.done() and not running.cancelled():  # its runner is built
-            running.result().finalize(exception=AllreduceException(f"member {member} began another round"))
+            runner = running.result()
+            runner.finalize(exception=AllreduceException(f"member {member} began another round"))
+            if runner._future.done() and not runner._future.cancelled():
+                runner._future.exception()  # retrieved: our round's own failure says it (asyncio would log it)
 
     def _waits_for(self, peer_id: PeerID) -> bool:
         """Whether a part `peer_id` sends for a group we have not begun waits for us: a member of the fixed group we
@@ -831,6 +836,14 @@ class StrictAverager(DecentralizedAverager):
             return gathered
         except BaseException as e:
             raise MatchmakingException(f"Unable to run All-Reduce: {e!r}") from e
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo):
+        """hivemind's; a round that gave way stops giving way only once it is no longer running (dropped before, a
+        member's part that waited for it would find it running, and not giving way: refused)."""
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
         finally:
             self._giving_way.discard(group_info.group_id)
 
