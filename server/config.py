@@ -446,6 +446,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.stage != "auto" and not (self.stage.isdigit()):
             raise ValueError(f"--stage must be a non-negative integer or 'auto', got {self.stage!r}")
+        if self.epochs.delay_optimizer_step and self.averaging.param_average_every > 0:
+            raise ValueError(
+                "--param-average-every works with synchronous steps only: with --delay-optimizer-step a stage "
+                "averages in the background and would never average its parameters"
+            )
         if self.epochs.admission_timeout < 2 * self.averaging.averaging_timeout:
             raise ValueError(
                 f"--admission-timeout ({self.epochs.admission_timeout}) must be at least twice --averaging-timeout "

@@ -45,6 +45,14 @@ def test_to_argv_round_trips_every_kind_of_field(changed_only):
     assert to_argv(ServerConfig()) == [] and to_argv(TrainerConfig()) == []
 
 
+def test_settings_that_cannot_work_together_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="synchronous steps only"):  # a delayed stage never averaged parameters
+        ServerConfig(epochs=EpochConfig(delay_optimizer_step=True), averaging=AveragingConfig(param_average_every=2))
+    with pytest.raises(ValueError, match="at least twice --averaging-timeout"):
+        ServerConfig(epochs=EpochConfig(admission_timeout=5.0), averaging=AveragingConfig(averaging_timeout=10.0))
+    ServerConfig(averaging=AveragingConfig(param_average_every=2))
+
+
 def test_to_argv_relative_to_a_base_config():
     base = local_server(1)
     cfg = dataclasses.replace(base, optimizer=OptimizerConfig(lr=1e-4))
