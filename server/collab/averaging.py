@@ -288,6 +288,30 @@ class Rounds:
         )
         return True
 
+    def _average_whole(
+        self,
+        tensors: list[torch.Tensor],
+        weight: int,
+        label: str,
+        gather: list,
+        waits: tuple,
+        budget: float | None = None,
+    ) -> list[torch.Tensor] | None:
+        """The group's average of `tensors` (the averager's own buffers' shapes), whole; None if the round failed or
+        returned non-finite values. `waits`: `_run`'s (finished_without_us, retry_grace, nobody_left, group_size,
+        group)."""
+
+        def fill(buffers: list[torch.Tensor]) -> None:
+            for buf, t in zip(buffers, tensors, strict=True):
+                buf.copy_(t)
+
+        numel = sum(t.numel() for t in tensors)
+        if not self._run(fill, weight, label, gather, (numel, numel), *waits, budget=budget):
+            return None
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        return averaged if self._finite(averaged, label) else None
+
     @staticmethod
     def _finite(averaged: list[torch.Tensor], label: str) -> bool:
         if all(bool(torch.isfinite(a).all()) for a in averaged):
@@ -344,18 +368,9 @@ class GradientAveraging(Rounds):
         `group`: with --fixed-groups, returns the libp2p ids of the other peers in the round: they alone make the
         group of the first attempt, with no matchmaking (None, or None or [] returned: matchmaking)."""
 
-        def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, g in zip(buffers, grads, strict=True):
-                buf.copy_(g)
-
-        numel = sum(g.numel() for g in grads)
         gather = [round_tag, PHASE_FULL, self.cfg.scheme]
         waits = (finished_without_us, retry_grace, nobody_left, group_size, group)
-        if not self._run(fill, n_samples, label, gather, (numel, numel), *waits):
-            return None
-        with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers]
-        return averaged if self._finite(averaged, label) else None
+        return self._average_whole(grads, n_samples, label, gather, waits)
 
 
 class LowRankGradientAveraging(GradientAveraging):
@@ -494,21 +509,13 @@ class ParameterAveraging(Rounds):
                 logger.info("%s: every peer of the group holds the same parameters: nothing to average", label)
                 return
 
-        def fill(buffers: list[torch.Tensor]) -> None:
-            for buf, p in zip(buffers, params, strict=True):
-                buf.copy_(p.detach())
-
-        numel = sum(p.numel() for p in params)
         # attempts begin within a few gather times: the members are in the round together, or one of them is not
         # (its probe succeeded where ours failed, and it went on: alone we would hold the compute thread, and refuse
         # the members' next gradient parts, for the whole --averaging-timeout)
         budget = PARAM_ROUND_GATHERS * self.gather_timeout()
         gather = [epoch, PHASE_PARAMS, self.codec.name]
-        if not self._run(fill, 1, label, gather, (numel, numel), *waits, budget=budget):
-            return
-        with self.averager.get_tensors() as buffers:
-            averaged = [b.clone() for b in buffers]
-        if not self._finite(averaged, label):
+        averaged = self._average_whole([p.detach() for p in params], 1, label, gather, waits, budget)
+        if averaged is None:
             return
         with worker.changing_state(), torch.no_grad():
             for p, a in zip(params, averaged, strict=True):

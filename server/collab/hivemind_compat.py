@@ -699,11 +699,13 @@ class StrictAverager(DecentralizedAverager):
 
     def _give_way(self, group_id: bytes, member: PeerID) -> None:
         running = self._running_groups.get(group_id)
-        if running is not None and running.done() and not running.cancelled():  # its runner is built
-            runner = running.result()
-            runner.finalize(exception=AllreduceException(f"member {member} began another round"))
-            if runner._future.done() and not runner._future.cancelled():
-                runner._future.exception()  # retrieved: our round's own failure says it (asyncio would log it)
+        if running is None or not running.done() or running.cancelled():
+            return  # its runner is not built yet: asked again at the next poll
+        runner = running.result()
+        if runner._future.done():
+            return  # it has ended (given way at an earlier poll, or finished)
+        runner.finalize(exception=AllreduceException(f"member {member} began another round"))
+        runner._future.exception()  # retrieved: our round's own failure says it (asyncio would log it)
 
     def _waits_for(self, peer_id: PeerID) -> bool:
         """Whether a part `peer_id` sends for a group we have not begun waits for us: a member of the fixed group we
