@@ -20,7 +20,7 @@ from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import REFUSED_EPOCHS, StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
-from server.optim import _close, build_optimizer, moment_ratio_bound, not_within_steps, replay_step
+from server.optim import MAX_BOUNDED_STEPS, _close, build_optimizer, moment_ratio_bound, not_within_steps, replay_step
 from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
@@ -476,7 +476,7 @@ async def test_a_state_whose_low_rank_factors_are_not_the_stages_is_not_vouched_
         recovery = Recovery(ours, averager, peers, AveragingConfig(), 1, pool=None)
         with pytest.raises(Unvouched):
             await recovery.vouch("donor", meta, forged)
-        assert await recovery.vouch("donor", meta, tensors) == honest
+        assert await recovery.vouch("donor", meta, tensors) == (honest, 2)
         recovery.load(meta, tensors, digest=honest)
         assert ours.digest() == donor.digest()
         assert all(torch.equal(x, y) for x, y in zip(mine.shared_tensors(), theirs.shared_tensors(), strict=True))
@@ -739,6 +739,115 @@ def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_on
         assert not_within_steps(optimizer, before, before_state, groups, after, after_state, 2, 1.0) is not None
         far = not_within_steps(optimizer, before, before_state, groups, after, after_state, 10**9, 1.0)
         assert far is not None and "more than the" in far
+
+
+def catching_up(ours: StageWorker, source: StageWorker, holders: int = 0) -> tuple[Recovery, Peers]:
+    """We (b) catch up from a, which reports a later epoch; `holders` other peers at a's epoch (c, d, ...) say they
+    hold the state a sends (0: a is alone at the furthest epoch, nobody vouches for it or against it)."""
+    others = [chr(ord("c") + i) for i in range(holders)]
+
+    class Holding(Peers):
+        async def state_of(self, peer_id: str, timeout: float) -> tuple[int, str] | None:
+            return source.digest()
+
+    peers = Holding("b", dict.fromkeys(["a", *others], 8), epoch=source.epoch)
+    peers.p2p_ids = {p: f"Qm{p}" for p in peers.peers}
+    averager = SimpleNamespace(
+        allow_state_sharing=True,
+        lowrank=None,
+        exact_states=True,
+        split_state=lambda meta, tensors: (tensors, []),
+        download_state=lambda *a, **k: source.state_tensors(),
+    )
+    return Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+async def test_a_peer_catching_up_takes_an_honest_state_its_sender_alone_holds(steps):
+    ours, source = twin_workers()
+    try:
+        for _ in range(steps):
+            source.apply_gradients([0.01 * torch.randn_like(p) for p in source.params], end_epoch=True)
+        recovery, peers = catching_up(ours, source)
+        assert await recovery.download("a", keep_gradients=True, checked=True)
+        assert ours.digest() == source.digest() and not peers.refused
+    finally:
+        ours.shutdown(), source.shutdown()
+
+
+@pytest.mark.parametrize("how", ["nudged parameters", "second moments", "huge gradient", "parameters of its own"])
+async def test_a_state_its_sender_alone_holds_is_held_to_ours_when_catching_up(how):
+    """A peer catching up copies the peer furthest ahead; nobody else at that epoch to vouch for it or against it
+    (the peer alone at the furthest epoch, which any listed peer can claim to be within what stage 0's admissions
+    show), its state was loaded as sent. Now a peer that holds an ancestor of the stage's state (not diverged) takes
+    it only within reach of ours, as a copy after a failed round (replayed one step on, bounded further on), and
+    refuses its sender otherwise; a state another peer at its epoch holds too is taken on their word, and a peer
+    that diverged (its state is no ancestor) takes what it is sent, as before."""
+    ours, source = twin_workers()
+    try:
+        if how == "parameters of its own":  # two steps on, and weights of its choosing
+            for _ in range(2):
+                source.apply_gradients([0.01 * torch.randn_like(p) for p in source.params], end_epoch=True)
+            with source.changing_state(), torch.no_grad():
+                source.params[0].mul_(-1)
+        else:
+            liar(source, how)
+        recovery, peers = catching_up(ours, source)
+        before = ours.digest()
+        assert not await recovery.download("a", keep_gradients=True, checked=True)
+        assert peers.refused == {"a"} and ours.digest() == before and recovery.downloads == 0
+        assert await recovery.download("a", keep_gradients=True, checked=False)  # diverged: no ancestor to check on
+        assert ours.digest() == source.digest()
+        ours.load_state(*twin_workers()[0].state_tensors())
+        recovery, peers = catching_up(ours, source, holders=1)
+        assert await recovery.download("a", keep_gradients=True, checked=True)  # another peer holds it: their word
+        assert ours.digest() == source.digest() and not peers.refused
+    finally:
+        ours.shutdown(), source.shutdown()
+
+
+async def test_a_state_too_far_on_to_check_is_taken_on_its_peers_word():
+    """A peer restarted from an old checkpoint may be thousands of versions behind: no bound says anything there
+    (`not_within_steps` refuses any claim past MAX_BOUNDED_STEPS), so the state is taken unchecked, as before."""
+    ours, source = twin_workers()
+    try:
+        with source.changing_state(), torch.no_grad():
+            source.param_version += MAX_BOUNDED_STEPS + 1
+            source.epoch += MAX_BOUNDED_STEPS + 1
+            source.params[0].mul_(-1)
+        recovery, _ = catching_up(ours, source)
+        assert await recovery.download("a", keep_gradients=True, checked=True)
+        assert ours.digest() == source.digest()
+    finally:
+        ours.shutdown(), source.shutdown()
+
+
+async def test_a_joiner_that_found_peers_and_took_no_state_holds_no_ancestor_of_theirs_until_it_copies_one():
+    class Silent(Peers):
+        async def refresh(self) -> None:
+            pass
+
+    ours, source = twin_workers()
+    try:
+        peers = Silent("b", {"a": 8}, epoch=ours.epoch + 1)
+        peers.p2p_ids = {"a": "Qma"}
+        sent = []
+        averager = SimpleNamespace(
+            allow_state_sharing=True,
+            lowrank=None,
+            exact_states=True,
+            split_state=lambda meta, tensors: (tensors, []),
+            download_state=lambda *a, **k: sent.pop() if sent else None,
+        )
+        recovery = Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None)
+        assert recovery.holds_ancestor
+        assert not await recovery.join()  # a sent nothing: we start from our own start beside it
+        assert not recovery.holds_ancestor
+        sent.append(source.state_tensors())
+        assert await recovery.download("a", attempts=1)
+        assert recovery.holds_ancestor
+    finally:
+        ours.shutdown(), source.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import torch
 from server.collab.averaging import StageAverager
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
+from server.optim import MAX_BOUNDED_STEPS
 from server.worker import StageWorker, state_digest
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ VOUCHERS = 4  # other peers of the stage asked whether they hold a state downloa
 
 
 class NotOneStep(Exception):
-    """A state downloaded from the peer that stepped alone after a failed round, one version past ours, is not our
+    """A state downloaded from the peer that stepped alone after a failed round (or from one we catch up from, which
+    holds a descendant of our state: `Recovery.load_checked`), one version past ours, is not our
     state after one step on an honest gradient (`StageWorker.not_one_step_from_ours`); at another version, it is
     behind ours or out of reach of ours in that many steps (`StageWorker.not_within_steps_of_ours`); or it is
     malformed."""
@@ -102,6 +104,10 @@ class Recovery:
         )
         self.downloads = 0  # states loaded from peers
         self.unvouched = 0  # downloaded states refused because the stage's other peers hold another (`vouch`)
+        # whether the stage's state descends from ours: we started it (no peers when we joined), or copied a peer's
+        # state since. Not after a join that found peers and took no state (we start from our own start or checkpoint
+        # beside them): what our next catch-up takes cannot be checked against ours (`load_checked`)
+        self.holds_ancestor = True
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's (set at start), for the compute thread
 
     async def join(self) -> bool:
@@ -127,6 +133,7 @@ class Recovery:
                 logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
                 if await self.download(peer_id, attempts=1):
                     return True
+        self.holds_ancestor = False
         if self.unvouched > refused:
             logger.error(
                 "stage %d: the states our peers sent are not the one the stage's other peers hold (%d refused): "
@@ -152,10 +159,15 @@ class Recovery:
             "stage has peers to copy, so not joining it"
         )
 
-    async def download(self, source: str, attempts: int = 3, keep_gradients: bool = False, vouch: bool = True) -> bool:
+    async def download(
+        self, source: str, attempts: int = 3, keep_gradients: bool = False, vouch: bool = True, checked: bool = False
+    ) -> bool:
         """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record).
         `keep_gradients`: see `load`. `vouch`: only if the stage's other peers let us (`vouch`); not when copying
-        the state of a peer at our own epoch after stepping alone (delayed steps): its peers may each hold their own."""
+        the state of a peer at our own epoch after stepping alone (delayed steps): its peers may each hold their own.
+        `checked`: we hold an ancestor of the state (catching up, not diverged): unless another peer at its epoch
+        holds it too, it must be within reach of ours (`load_checked`); a state that is not refuses its sender
+        (`StagePeers.refuse`), and we return False."""
         loop = asyncio.get_running_loop()
         p2p_id = self.peers.p2p_ids.get(source)
         if not p2p_id:
@@ -173,12 +185,25 @@ class Recovery:
             if loaded is not None:
                 meta, tensors = loaded
                 try:
-                    digest = await self.vouch(source, meta, tensors) if vouch and self.averager.exact_states else None
-                    await self.worker.submit(functools.partial(self.load, meta, tensors, keep_gradients, digest))
+                    digest, confirmed = (
+                        await self.vouch(source, meta, tensors) if vouch and self.averager.exact_states else (None, 0)
+                    )
+                    # a state its sender alone holds among the peers at its epoch is held to ours
+                    load = self.load_checked if checked and not confirmed else self.load
+                    await self.worker.submit(functools.partial(load, meta, tensors, keep_gradients, digest))
                     return True
                 except Unvouched as e:  # the stage's other peers hold another state: ask another peer
                     self.unvouched += 1
                     logger.warning("%s", e)
+                    return False
+                except NotOneStep as e:
+                    logger.warning(
+                        "stage %d: refusing the state of %s: %s; it is no source of ours any more",
+                        self.stage,
+                        source[-6:],
+                        e,
+                    )
+                    self.peers.refuse(source, self.worker.epoch)
                     return False
                 except UNUSABLE_STATE as e:
                     logger.warning("downloaded state is unusable: %r", e)
@@ -186,7 +211,7 @@ class Recovery:
                 await asyncio.sleep(1.0 + attempt)
         return False
 
-    async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> str:
+    async def vouch(self, source: str, meta: dict, tensors: list[torch.Tensor]) -> tuple[str, int]:
         """Event loop. Raises Unvouched unless the stage's other live peers (`VOUCHERS` of them, those at the state's
         epoch first) let a state downloaded from `source` be loaded (`vouched`): each answers Info with the digest of
         its own state, which covers the parameters, the optimizer state, the schedule's position and, with low-rank
@@ -194,7 +219,8 @@ class Recovery:
         makes every joiner's state its own). A peer of the stage could otherwise hand a joiner, or a
         peer catching up, any finite state with our optimizer settings: it is whoever sorts first, or reports the
         furthest epoch. A peer that copies the state of one that stepped alone (after a failed round, or another
-        lineage) takes that peer's word: nobody else holds its state yet. Returns the state's digest."""
+        lineage) takes that peer's word: nobody else holds its state yet. Returns the state's digest, and how many
+        of the peers asked hold it too."""
         self.averager.split_state(meta, tensors)  # raises ValueError if malformed
         epoch = int(meta.get("epoch", -1))
         digest = await asyncio.to_thread(state_digest, tensors, meta)
@@ -217,7 +243,7 @@ class Recovery:
             source[-6:],
             confirmed,
         )
-        return digest
+        return digest, confirmed
 
     def load(
         self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False, digest: str | None = None
@@ -233,8 +259,32 @@ class Recovery:
         # the factors with the parameters, in one change: the state we share (and its digest) pairs them
         self.worker.load_state(meta, worker_tensors, None if lowrank is None else lambda: lowrank.load_shared(factors))
         self.downloads += 1
+        self.holds_ancestor = True
         digest = digest or state_digest(tensors, meta)
         logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
+
+    def load_checked(
+        self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False, digest: str | None = None
+    ) -> None:
+        """Compute thread: `load`, once the state is within reach of ours (`_check_one_step`: one version on, ours
+        after one honest step; further, within what that many steps can do); raises NotOneStep if not. For a peer
+        catching up that holds an ancestor of the stage's state: a peer alone at the furthest epoch was otherwise
+        taken on its word (nobody at its epoch to vouch for it or against it), whatever it sent. A state more than
+        MAX_BOUNDED_STEPS versions on (a peer restarted from an old checkpoint) is beyond any check, and taken on the
+        vouching alone, as is any state through a lossy --state-codec."""
+        try:
+            beyond = int(meta["param_version"]) - self.worker.param_version > MAX_BOUNDED_STEPS
+        except (KeyError, TypeError, ValueError) as e:
+            raise NotOneStep(f"malformed state: {e!r}") from e
+        if self.averager.exact_states and not beyond:
+            self._check_one_step(meta, tensors)
+        elif beyond:
+            logger.warning(
+                "stage %d: the state is %s versions past ours, too far to check: taking it on its peers' word",
+                self.stage,
+                int(meta["param_version"]) - self.worker.param_version,
+            )
+        self.load(meta, tensors, keep_gradients, digest)
 
     def after_failed_round(self, grads: list[torch.Tensor], n_samples: int) -> list[torch.Tensor] | None:
         """Compute thread, after a failed round of the current epoch, before any request sees our parameters. Returns
