@@ -12,7 +12,7 @@ swarm has no more compute than the 1x one: the ratio is what averaging (its proc
 drain while a round runs) costs.
 
     python -m tests.benchmarks.bench_averaging [--quick] [--stages S] [--batch-size B] [--in-flight K]
-        [--only WORDS] [--model-flags=FLAGS]
+        [--samples-per-step N] [--only WORDS] [--skip WORDS] [--model-flags=FLAGS]
 """
 
 from __future__ import annotations
@@ -61,9 +61,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--only", default="", help="comma-separated words: run the variants whose names contain one (and the reference)"
     )
+    p.add_argument("--skip", default="", help="comma-separated words: leave out the variants whose names contain one")
     args = p.parse_args(argv)
-    words = [w.strip() for w in args.only.split(",") if w.strip()]
-    variants = {n: v for n, v in VARIANTS.items() if n == REFERENCE or not words or any(w in n for w in words)}
+    words, skipped = ([w.strip() for w in arg.split(",") if w.strip()] for arg in (args.only, args.skip))
+    variants = {
+        n: v
+        for n, v in VARIANTS.items()
+        if n == REFERENCE or ((not words or any(w in n for w in words)) and not any(w in n for w in skipped))
+    }
     common.exit_on_sigterm()
     repeats = args.repeats or (1 if args.quick else 3)
     window = args.window or (15.0 if args.quick else 30.0)
