@@ -194,6 +194,66 @@ MAX_BOUNDED_STEPS = 1000  # a state further on than this is refused: its bound w
 # Copies after a failed round found honest references up to 42 versions on in a 6-minute soak (epochs of ~0.4 s)
 
 
+def _moments_beyond(m: torch.Tensor, v: torch.Tensor, ratio: float) -> bool:
+    """Pure. Whether first moments `m` exceed `ratio` x sqrt(v) anywhere (float64 inputs): no gradients leave that."""
+    tiny = torch.finfo(torch.float32).tiny
+    # slack for gradients so small that their squares underflow float32 (|g| ~ 1e-20: v denormal or 0 beside m),
+    # and a margin of 1e-9 of the largest m: neither lets m move a step beyond ~1e-19 / eps
+    room = ratio * (v + 1e-40).sqrt() * (1 + BOUND_RTOL) + 1e-9 * float(m.abs().max()) + tiny
+    return bool((m.abs() > room).any())
+
+
+def _moved_beyond(
+    name: str, old: torch.Tensor, new: torch.Tensor, steps: int, lr: float, decay: float, ratio: float
+) -> bool:
+    """Pure. Whether `new` is further from `old` than `steps` steps of optimizer `name` (peak learning rate `lr`,
+    weight decay `decay`) can move a parameter whose |m_hat| / sqrt(v_hat) stays within `ratio`: AdamW moves each
+    value by at most lr (ratio + decay |w|) a step, LAMB each tensor by at most lr ||w|| (its trust ratio)."""
+    moved, slack = new.double() - old.double(), REPLAY_ULPS * torch.finfo(old.dtype).eps * float(old.abs().max())
+    if name == "lamb":
+        room = ((1 + lr) ** steps - 1) * (float(old.double().norm()) + math.sqrt(old.numel()) * ratio)
+        return float(moved.norm()) > room * (1 + BOUND_RTOL) + slack
+    reach = steps * lr * ratio
+    room_each = reach + ((1 + lr * decay) ** steps - 1) * (old.double().abs() + reach)
+    return bool((moved.abs() > room_each * (1 + BOUND_RTOL) + slack).any())
+
+
+RATIO_STEPS = 20_000  # past this many steps Adam's bias corrections are 1 within 1e-8: the update bound's limit
+
+
+def not_within_drift(
+    name: str, before: torch.Tensor, groups: list[dict], after: torch.Tensor, after_state: dict, steps: int | None
+) -> str | None:
+    """Pure. Why `after` (one parameter, and its optimizer state) cannot be `before` moved by at most `steps` steps of
+    optimizer `name` (`groups`: our hyperparameters), whatever the history between them, or None. For a copy of a
+    parameter whose state may have drifted from ours (the tied weight: its copies step apart after a round that
+    failed for some of its peers, until the next average of their states): neither the step counts nor the moments
+    can be compared with ours, so only what no history gives is refused: moments whose next steps would be larger
+    than any gradients make (|m| above the bound beside sqrt(v), which averaged states keep too), or the parameter
+    moved further than `steps` steps of the largest update (None: any distance). A malformed state may raise."""
+    if before.shape != after.shape:
+        return f"it has shape {tuple(after.shape)}, not {tuple(before.shape)}"
+    beta1, beta2 = (float(b) for b in groups[0]["betas"])
+    lr = float(groups[0].get("initial_lr", groups[0]["lr"]))
+    decay = float(groups[0].get("weight_decay", 0.0))
+    t = min(max(int(float(after_state.get("step", 0))), 0), RATIO_STEPS)
+    m, v = after_state.get(MOMENTS[0]), after_state.get(MOMENTS[1])
+    if t > 0:
+        if (
+            not isinstance(m, torch.Tensor)
+            or not isinstance(v, torch.Tensor)
+            or m.shape != before.shape
+            or v.shape != before.shape
+        ):
+            return "it stepped without both moments of its shape"
+        if bool((v < 0).any()) or _moments_beyond(m.double(), v.double(), moment_ratio_bound(beta1, beta2, t)):
+            return "its moments are not what any gradients leave"
+    ratio = update_ratio_bound(beta1, beta2, 1, RATIO_STEPS)
+    if steps is not None and _moved_beyond(name, before, after, steps, lr, decay, ratio):
+        return f"it moved further than {steps} steps can take it"
+    return None
+
+
 def not_within_steps(
     name: str,
     before: Sequence[torch.Tensor],
@@ -253,24 +313,11 @@ def not_within_steps(
         tiny = torch.finfo(torch.float32).tiny
         if bool((v < beta2**j * v0 * (1 - BOUND_RTOL) - tiny).any()):
             return f"parameter {i}'s second moments fell faster than {j} steps let them"
-        ratio = moment_ratio_bound(beta1, beta2, t0 + j)
-        # slack for gradients so small that their squares underflow float32 (|g| ~ 1e-20: v denormal or 0 beside m),
-        # and a margin of 1e-9 of the largest m: neither lets m move a step beyond ~1e-19 / eps
-        m_room = ratio * (v + 1e-40).sqrt() * (1 + BOUND_RTOL) + 1e-9 * float(m.abs().max()) + tiny
-        if bool((m.abs() > m_room).any()):
+        if _moments_beyond(m, v, moment_ratio_bound(beta1, beta2, t0 + j)):
             return f"parameter {i}'s first moments exceed what any gradients give beside its second moments"
         v_rise += float((v - beta2**j * v0).sum())
         m_shift += float((m - beta1**j * m0).square().sum())
-        step = update_ratio_bound(beta1, beta2, t0 + 1, t0 + j)
-        moved, slack = new.double() - old.double(), REPLAY_ULPS * torch.finfo(old.dtype).eps * float(old.abs().max())
-        if name == "lamb":
-            room = ((1 + lr) ** j - 1) * (float(old.double().norm()) + math.sqrt(old.numel()) * step)
-            too_far = float(moved.norm()) > room * (1 + BOUND_RTOL) + slack
-        else:
-            reach = j * lr * step
-            room_each = reach + ((1 + lr * decay) ** j - 1) * (old.double().abs() + reach)
-            too_far = bool((moved.abs() > room_each * (1 + BOUND_RTOL) + slack).any())
-        if too_far:
+        if _moved_beyond(name, old, new, j, lr, decay, update_ratio_bound(beta1, beta2, t0 + 1, t0 + j)):
             return f"parameter {i} moved further than {j} steps can take it"
     if math.isfinite(max_grad_norm):
         if v_rise > steps * (1 - beta2) * max_grad_norm**2 * (1 + BOUND_RTOL):

@@ -32,7 +32,7 @@ import torch
 
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
-from server.optim import MOMENTS, build_optimizer, build_schedule, not_within_steps, replay_step
+from server.optim import MOMENTS, build_optimizer, build_schedule, not_within_drift, not_within_steps, replay_step
 from swarm.devices import synchronize
 from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
@@ -653,8 +653,8 @@ class StageWorker:
         alone and the peers that copy it held one state: the copy then takes the stepper's word for a gradient, not
         for a whole state. The gradient its first moments imply is replayed with our optimizer (`replay_step`) and
         must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
-        limit. The tied weight is not checked (its round replaces its state before the step), nor the version (the
-        caller's). Raises ValueError as `load_state` does for a state that does not fit, others for a malformed one."""
+        limit. The tied weight is not replayed (its round replaces its state before the step: `tied_not_within`),
+        nor the version (the caller's). Raises ValueError as `load_state` does for a state that does not fit, others for a malformed one."""
         skip = () if self.tied_index is None else (self.tied_index,)
         why, grads = self._beside_ours(
             meta, tensors, functools.partial(replay_step, self.optim_cfg.optimizer, skip=skip)
@@ -672,8 +672,8 @@ class StageWorker:
     def not_within_steps_of_ours(self, meta: dict, tensors: list[torch.Tensor], steps: int) -> str | None:
         """Compute thread. Why a downloaded state (`state_tensors`' form) `steps` versions past ours (0, or 2 and
         more: too far to replay, as `not_one_step_from_ours` does one step) cannot be ours after that many steps on
-        gradients a step may hold (`server/optim.py` `not_within_steps`), or None if it can. The tied weight is not
-        checked. Raises as `not_one_step_from_ours` does."""
+        gradients a step may hold (`server/optim.py` `not_within_steps`), or None if it can. The tied weight is
+        checked apart (`tied_not_within`). Raises as `not_one_step_from_ours` does."""
         clip, name = self.optim_cfg.clip_grad_norm, self.optim_cfg.optimizer
         check = functools.partial(
             not_within_steps,
@@ -683,6 +683,20 @@ class StageWorker:
             skip=() if self.tied_index is None else (self.tied_index,),
         )
         return self._beside_ours(meta, tensors, check)
+
+    def tied_not_within(self, meta: dict, tensors: list[torch.Tensor], steps: int | None) -> str | None:
+        """Compute thread. Why the tied weight of a downloaded state (`state_tensors`' form) cannot be our copy of it
+        moved by `steps` steps (None: any number), whatever their histories (`server/optim.py` `not_within_drift`),
+        or None; None too for a stage without one. Raises as `not_one_step_from_ours` does."""
+        i = self.tied_index
+        if i is None:
+            return None
+
+        def check(mine, _, groups, theirs, their_state) -> str | None:
+            return not_within_drift(self.optim_cfg.optimizer, mine[i], groups, theirs[i], their_state.get(i, {}), steps)
+
+        why = self._beside_ours(meta, tensors, check)
+        return None if why is None else f"its tied weight: {why}"
 
     def _beside_ours(self, meta: dict, tensors: list[torch.Tensor], check: Callable[..., R]) -> R:
         """Compute thread. `check`(our parameters, our optimizer state, our param groups, the state's parameters, its

@@ -2,6 +2,7 @@
 reference that is waited for can freeze: the others must not wait for it for as long as it stays frozen."""
 
 import asyncio
+import dataclasses
 import functools
 import json
 import math
@@ -20,7 +21,15 @@ from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import REFUSED_EPOCHS, StagePeers
 from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
-from server.optim import MAX_BOUNDED_STEPS, _close, build_optimizer, moment_ratio_bound, not_within_steps, replay_step
+from server.optim import (
+    MAX_BOUNDED_STEPS,
+    _close,
+    build_optimizer,
+    moment_ratio_bound,
+    not_within_drift,
+    not_within_steps,
+    replay_step,
+)
 from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
 from swarm.config import tiny_test
 from swarm.model import Stage
@@ -528,10 +537,12 @@ async def test_a_peer_vouches_only_as_itself_for_its_own_stage_with_a_digest():
     assert not vouched(7, "e", [*answers, (7, "z" * 100_000)])  # against two that agree on another: refused
 
 
-def twin_workers(optimizer: str = "adamw") -> tuple[StageWorker, StageWorker]:
-    """Two peers of stage 1 holding one state after three steps together (epoch 3, with optimizer moments)."""
+def twin_workers(optimizer: str = "adamw", tied: bool = False) -> tuple[StageWorker, StageWorker]:
+    """Two peers of stage 1 (stage 0 with its tied weight: `tied`) holding one state after three steps together
+    (epoch 3, with optimizer moments)."""
+    cfg, index = (dataclasses.replace(tiny_test(), tie_embeddings=True), 0) if tied else (tiny_test(), 1)
     ours, reference = (
-        StageWorker(Stage(tiny_test(), 1), OptimizerConfig(optimizer=optimizer), ComputeConfig(), torch.device("cpu"))
+        StageWorker(Stage(cfg, index), OptimizerConfig(optimizer=optimizer), ComputeConfig(), torch.device("cpu"))
         for _ in range(2)
     )
     torch.manual_seed(0)
@@ -739,6 +750,64 @@ def test_no_honest_history_leaves_the_bounds_of_that_many_steps_and_the_worst_on
         assert not_within_steps(optimizer, before, before_state, groups, after, after_state, 2, 1.0) is not None
         far = not_within_steps(optimizer, before, before_state, groups, after, after_state, 10**9, 1.0)
         assert far is not None and "more than the" in far
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+@pytest.mark.parametrize("how", ["honest", "honest, our copy a step behind", "weights of its choosing",
+                                 "moments that steer", "honest, two steps on"])  # fmt: skip
+def test_a_references_tied_weight_is_held_to_what_steps_and_drift_can_do(how, optimizer):
+    """The tied weight is not replayed with the rest (its own round replaced its state before the step, and its
+    copies drift apart after a tied round that failed for some peers, until the next average of their states), and
+    a reference's was loaded as sent: any finite weight, and moments whose next steps are as large as it likes. Now
+    it must be our copy moved by at most the steps since, plus two an epoch of drift since the last average, and
+    hold moments some gradients leave; an honest reference, our copy a step apart, passes."""
+    ours, reference = twin_workers(optimizer, tied=True)
+    i = ours.tied_index
+    try:
+        assert i is not None
+        grads = [0.01 * torch.randn_like(p) for p in reference.params]
+        if how == "honest, our copy a step behind":  # our tied round of the last epoch failed; the reference's ended
+            ours.apply_gradients([None if j == i else g for j, g in enumerate(grads)], end_epoch=True)
+            reference.apply_gradients(grads, end_epoch=True)
+            grads = [0.01 * torch.randn_like(p) for p in reference.params]
+        for _ in range(2 if how == "honest, two steps on" else 1):
+            reference.apply_gradients(grads, end_epoch=True)
+        with reference.changing_state(), torch.no_grad():
+            if how == "weights of its choosing":
+                reference.tied.fill_(1.0)
+            elif how == "moments that steer":  # |m| a thousand times sqrt(v): its next steps would be huge
+                state = reference.optimizer.state[reference.tied]
+                state["exp_avg"].copy_(1000 * state["exp_avg_sq"].sqrt() + 1e-3)
+        recovery, peers = copier(ours, reference)
+        ours.take_gradients()
+        before = ours.digest()
+        grads = [torch.zeros_like(p) for p in ours.params]
+        if how.startswith("honest"):
+            assert recovery.after_failed_round(grads, 4) is None  # copied
+            assert ours.digest() == reference.digest() and not peers.refused
+        else:
+            assert recovery.after_failed_round(grads, 4) is grads  # refused: we step alone
+            assert peers.refused == {"a"} and ours.digest() == before
+    finally:
+        ours.shutdown(), reference.shutdown()
+
+
+def test_a_tied_copy_is_held_to_moments_gradients_leave_and_a_bounded_move():
+    """`not_within_drift` alone: a parameter with moments some gradients leave, moved within the bound, passes;
+    moments no gradients leave, negative second moments, a move beyond the steps, or a stepped parameter without
+    moments do not; with no bound on the steps (no averages of the copies), only the moments are held."""
+    torch.manual_seed(5)
+    w = torch.randn(8, 4)
+    optimizer = build_optimizer("adamw", [w.clone().requires_grad_()], lr=2e-3, weight_decay=0.01)
+    groups = optimizer.state_dict()["param_groups"]
+    honest = {"step": torch.tensor(3.0), "exp_avg": 0.01 * torch.randn(8, 4), "exp_avg_sq": torch.full((8, 4), 1e-3)}
+    check = functools.partial(not_within_drift, "adamw", w, groups)
+    assert check(w + 0.01, honest, 2) is None
+    assert check(w + 1.0, honest, 2) is not None and check(w + 1.0, honest, None) is None
+    assert check(w, {**honest, "exp_avg": torch.ones(8, 4)}, None) is not None
+    assert check(w, {**honest, "exp_avg_sq": -torch.ones(8, 4)}, None) is not None
+    assert check(w, {"step": torch.tensor(3.0)}, None) is not None
+    assert check(w, {}, 0) is None and check(w + 1e-3, {}, 0) is not None
 
 
 def catching_up(ours: StageWorker, source: StageWorker, holders: int = 0) -> tuple[Recovery, Peers]:

@@ -439,6 +439,9 @@ class Recovery:
                 why = f"it claims {steps} steps in {epochs} epochs"
             else:  # a step further already, or its step skipped: bounded, not replayed
                 why = self.worker.not_within_steps_of_ours(meta, worker_tensors, steps)
+            if why is None:  # the tied weight's copies drift apart between averages of their states: 2 steps an epoch
+                every = self.cfg.tied_average_every
+                why = self.worker.tied_not_within(meta, worker_tensors, steps + 2 * every if every else None)
         except Exception as e:
             why = f"malformed state: {e!r}"
         if why is not None:
