@@ -70,7 +70,7 @@ class Peers:
 
 
 class Worker:
-    epoch = 5
+    epoch, lineage = 5, INITIAL_LINEAGE
 
     def __init__(self):
         self.returned = None
@@ -355,6 +355,23 @@ async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within
             assert took < PROBE_S + 0.5 + 1.5, took
         finally:
             await peers.close()
+
+
+async def test_a_peer_whose_state_we_refused_is_nobody_ahead_of_us():
+    """A refused peer alone at the furthest epoch (a catch-up found its state out of reach of ours) counted as ahead:
+    the peer kept trying to catch up from nobody and refused work as behind, and its distrust, which lapses as its
+    epochs go on, never lapsed (epoch.py `_furthest`)."""
+    peers = StagePeers(SimpleNamespace(peer_id="me", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
+    peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}
+    try:
+        peers.record(pb.StageProgress(peer_id="a", epoch=9, samples=0))
+        peers.record(pb.StageProgress(peer_id="b", epoch=5, samples=0))
+        assert peers.furthest() == 9
+        peers.refuse("a", 5)
+        assert peers.furthest(excluding=peers.distrusted(5)) == 5
+        assert peers.furthest(excluding=peers.distrusted(5 + REFUSED_EPOCHS)) == 9
+    finally:
+        await peers.close()
 
 
 def test_a_downloaded_state_is_loaded_unless_two_peers_at_its_epoch_agree_on_another_held_by_fewer():
@@ -807,6 +824,7 @@ def test_a_tied_copy_is_held_to_moments_gradients_leave_and_a_bounded_move():
     assert check(w, {**honest, "exp_avg": torch.ones(8, 4)}, None) is not None
     assert check(w, {**honest, "exp_avg_sq": -torch.ones(8, 4)}, None) is not None
     assert check(w, {"step": torch.tensor(3.0)}, None) is not None
+    assert check(w, {**honest, "step": torch.tensor(0.0)}, None) is not None  # moments its next step takes as one's
     assert check(w, {}, 0) is None and check(w + 1e-3, {}, 0) is not None
 
 
@@ -875,23 +893,42 @@ async def test_a_state_its_sender_alone_holds_is_held_to_ours_when_catching_up(h
         ours.shutdown(), source.shutdown()
 
 
-async def test_a_state_too_far_on_to_check_is_taken_on_its_peers_word():
+@pytest.mark.parametrize("epochs", [MAX_BOUNDED_STEPS + 1, 2])
+async def test_a_state_too_far_on_to_check_is_taken_on_its_peers_word_if_its_epochs_allow_its_steps(epochs):
     """A peer restarted from an old checkpoint may be thousands of versions behind: no bound says anything there
-    (`not_within_steps` refuses any claim past MAX_BOUNDED_STEPS), so the state is taken unchecked, as before."""
+    (`not_within_steps` refuses any claim past MAX_BOUNDED_STEPS), so the state is taken unchecked, as before. Not
+    one that claims more steps than epochs (a step an epoch at most), which would carry any state past the check."""
     ours, source = twin_workers()
     try:
         with source.changing_state(), torch.no_grad():
             source.param_version += MAX_BOUNDED_STEPS + 1
-            source.epoch += MAX_BOUNDED_STEPS + 1
+            source.epoch += epochs
             source.params[0].mul_(-1)
-        recovery, _ = catching_up(ours, source)
-        assert await recovery.download("a", keep_gradients=True, checked=True)
-        assert ours.digest() == source.digest()
+        recovery, peers = catching_up(ours, source)
+        before = ours.digest()
+        if epochs > MAX_BOUNDED_STEPS:
+            assert await recovery.download("a", keep_gradients=True, checked=True)
+            assert ours.digest() == source.digest()
+        else:
+            assert not await recovery.download("a", keep_gradients=True, checked=True)
+            assert ours.digest() == before and peers.refused == {"a"}
     finally:
         ours.shutdown(), source.shutdown()
 
 
-async def test_a_joiner_that_found_peers_and_took_no_state_holds_no_ancestor_of_theirs_until_it_copies_one():
+async def test_a_state_whose_version_is_no_number_refuses_its_sender():
+    ours, source = twin_workers()
+    try:
+        recovery, peers = catching_up(ours, source)
+        meta, tensors = source.state_tensors()
+        recovery.averager.download_state = lambda *a, **k: ({**meta, "param_version": math.inf}, tensors)
+        assert not await recovery.download("a", keep_gradients=True, checked=True)
+        assert peers.refused == {"a"}
+    finally:
+        ours.shutdown(), source.shutdown()
+
+
+async def test_a_peer_holds_no_ancestor_of_the_stages_state_after_a_join_without_one_or_a_step_alone():
     class Silent(Peers):
         async def refresh(self) -> None:
             pass
@@ -909,12 +946,14 @@ async def test_a_joiner_that_found_peers_and_took_no_state_holds_no_ancestor_of_
             download_state=lambda *a, **k: sent.pop() if sent else None,
         )
         recovery = Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None)
-        assert recovery.holds_ancestor
+        assert recovery.holds_ancestor()
         assert not await recovery.join()  # a sent nothing: we start from our own start beside it
-        assert not recovery.holds_ancestor
+        assert not recovery.holds_ancestor()
         sent.append(source.state_tensors())
         assert await recovery.download("a", attempts=1)
-        assert recovery.holds_ancestor
+        assert recovery.holds_ancestor()
+        ours.branch()  # we stepped alone: a history of our own, no ancestor of the stage's
+        assert not recovery.holds_ancestor()
     finally:
         ours.shutdown(), source.shutdown()
 

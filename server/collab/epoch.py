@@ -428,7 +428,7 @@ class StageCollaboration:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
                 raise AdmissionRefused("admission: this peer of stage 0 is leaving the stage")
-            if self.phase is Phase.RECOVERING or (self.peers.furthest() or epoch) >= epoch + 2:
+            if self.phase is Phase.RECOVERING or (self._furthest() or epoch) >= epoch + 2:
                 self._kick.set()
                 raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
             if self.peers.must_claim(epoch):
@@ -581,7 +581,7 @@ class StageCollaboration:
         # --admission-timeout for those samples)
         signer_ahead = self.stage == 0 and meta.admitted_by != self.sdht.peer_id
         # (the peers' epochs only then: reading them adds up what our peers proved, on every call otherwise)
-        if admitted_at >= epoch + 2 and (signer_ahead or (self.peers.furthest() or -1) > epoch):
+        if admitted_at >= epoch + 2 and (signer_ahead or (self._furthest() or -1) > epoch):
             # a peer of ours is ahead: we missed its epochs. With none ahead, the whole stage is behind stage 0 (it
             # ended epochs without us, on --admission-timeout): we end ours and skip the rest, as do our peers on
             # their next call, rather than each wait for another to catch up from (they all would, for ever)
@@ -666,7 +666,7 @@ class StageCollaboration:
         if self.phase is not Phase.ACCUMULATING:
             return
         mine = self.epoch
-        ahead = self.peers.furthest()
+        ahead = self._furthest()
         ahead = mine if ahead is None else ahead
         if ahead >= mine + 2 or self.diverged:
             await self._catch_up()
@@ -678,6 +678,12 @@ class StageCollaboration:
         elif self._lost_microbatches(mine):
             await self._broadcast(end_epoch=True)
             await self._end_epoch_once(mine)
+
+    def _furthest(self) -> int | None:
+        """Any thread: the latest epoch a peer whose state we did not refuse reports. A refused peer alone ahead
+        (found out on a catch-up) is nobody to catch up from: counted, it held us behind it for good (its distrust
+        lapses only as our epochs go on)."""
+        return self.peers.furthest(excluding=self.peers.distrusted(self.epoch))
 
     def _lost_microbatches(self, epoch: int) -> bool:
         """Stage 0: the epoch's global batch is admitted, but its backwards stopped arriving --admission-timeout ago
@@ -892,7 +898,7 @@ class StageCollaboration:
             # of ours (a peer alone at the furthest epoch has nobody at its epoch to vouch for or against it)
             at = epochs[source]
             others = [] if at == self.epoch else sorted(p for p, e in epochs.items() if e == at and p != source)
-            vouch, checked = at != self.epoch, not self.diverged and self.recovery.holds_ancestor
+            vouch, checked = at != self.epoch, not self.diverged and self.recovery.holds_ancestor()
             for attempts, peer in [(3, source), *((1, p) for p in others)]:
                 if await self.recovery.download(
                     peer, attempts=attempts, keep_gradients=True, vouch=vouch, checked=checked

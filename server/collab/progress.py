@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import grpc
 
@@ -311,8 +311,9 @@ class StagePeers:
         view, limit = dict(self.view), self.shown_limit()
         return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
 
-    def furthest(self) -> int | None:
-        return max((e for e, _ in self._shown().values()), default=None)
+    def furthest(self, excluding: Collection[str] = ()) -> int | None:
+        """The latest epoch a peer reports (`excluding` some: those whose state we refused, `distrusted`)."""
+        return max((e for p, (e, _) in self._shown().items() if p not in excluding), default=None)
 
     def samples_in(self, epoch: int) -> int:
         """Samples the other peers reported for `epoch`, as they stand in their latest messages."""

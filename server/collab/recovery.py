@@ -104,10 +104,9 @@ class Recovery:
         )
         self.downloads = 0  # states loaded from peers
         self.unvouched = 0  # downloaded states refused because the stage's other peers hold another (`vouch`)
-        # whether the stage's state descends from ours: we started it (no peers when we joined), or copied a peer's
-        # state since. Not after a join that found peers and took no state (we start from our own start or checkpoint
-        # beside them): what our next catch-up takes cannot be checked against ours (`load_checked`)
-        self.holds_ancestor = True
+        # the lineage (server/worker.py) of the last state we took from the stage, or held when we started it; None
+        # after a join that found peers and took no state (we start from our own start or checkpoint beside them)
+        self._taken_lineage: str | None = worker.lineage
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's (set at start), for the compute thread
 
     async def join(self) -> bool:
@@ -133,7 +132,7 @@ class Recovery:
                 logger.info("stage %d: asking %s for its state", self.stage, peer_id[-6:])
                 if await self.download(peer_id, attempts=1):
                     return True
-        self.holds_ancestor = False
+        self._taken_lineage = None
         if self.unvouched > refused:
             logger.error(
                 "stage %d: the states our peers sent are not the one the stage's other peers hold (%d refused): "
@@ -259,9 +258,15 @@ class Recovery:
         # the factors with the parameters, in one change: the state we share (and its digest) pairs them
         self.worker.load_state(meta, worker_tensors, None if lowrank is None else lambda: lowrank.load_shared(factors))
         self.downloads += 1
-        self.holds_ancestor = True
+        self._taken_lineage = self.worker.lineage
         digest = digest or state_digest(tensors, meta)
         logger.info("stage %d: loaded state at epoch %d (digest %s)", self.stage, self.worker.epoch, digest)
+
+    def holds_ancestor(self) -> bool:
+        """Any thread: whether the stage's state descends from ours, as far as we know: we started the stage (no peers
+        when we joined) or took a state from it since, and have not stepped alone after (a lone step starts a
+        lineage of our own: `StageWorker.branch`). What a catch-up takes can be checked against ours only then."""
+        return self._taken_lineage is not None and self._taken_lineage == self.worker.lineage
 
     def load_checked(
         self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False, digest: str | None = None
@@ -273,16 +278,20 @@ class Recovery:
         MAX_BOUNDED_STEPS versions on (a peer restarted from an old checkpoint) is beyond any check, and taken on the
         vouching alone, as is any state through a lossy --state-codec."""
         try:
-            beyond = int(meta["param_version"]) - self.worker.param_version > MAX_BOUNDED_STEPS
-        except (KeyError, TypeError, ValueError) as e:
+            steps = int(meta["param_version"]) - self.worker.param_version
+            epochs = int(meta["epoch"]) - self.worker.epoch
+        except Exception as e:  # inf overflows int(): any malformed number is the sender's fault
             raise NotOneStep(f"malformed state: {e!r}") from e
+        if steps > epochs:  # a step an epoch at most: claiming more steps must not carry a state past the check
+            raise NotOneStep(f"it claims {steps} steps in {epochs} epochs")
+        beyond = steps > MAX_BOUNDED_STEPS
         if self.averager.exact_states and not beyond:
             self._check_one_step(meta, tensors)
         elif beyond:
             logger.warning(
-                "stage %d: the state is %s versions past ours, too far to check: taking it on its peers' word",
+                "stage %d: the state is %d versions past ours, too far to check: taking it on its peers' word",
                 self.stage,
-                int(meta["param_version"]) - self.worker.param_version,
+                steps,
             )
         self.load(meta, tensors, keep_gradients, digest)
 
