@@ -598,17 +598,21 @@ def liar(reference: StageWorker, how: str) -> None:
             reference.optimizer.state[reference.params[0]]["step"] = torch.tensor([4.0, 4.0])
 
 
-def copier(ours: StageWorker, reference: StageWorker) -> tuple[Recovery, Peers]:
-    """We (b, 4 samples) copy a (8 samples) after our failed round; a already reports the next epoch."""
-    peers = Peers("b", {"a": 8}, epoch=ours.epoch + 1)
-    averager = SimpleNamespace(
+def sending(source: StageWorker) -> SimpleNamespace:
+    """What Recovery reads of the stage averager: its downloads bring `source`'s state as it is then."""
+    return SimpleNamespace(
         allow_state_sharing=True,
         lowrank=None,
         exact_states=True,
         split_state=lambda meta, tensors: (tensors, []),
-        download_state=lambda *a, **k: reference.state_tensors(),
+        download_state=lambda *a, **k: source.state_tensors(),
     )
-    return Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
+
+
+def copier(ours: StageWorker, reference: StageWorker) -> tuple[Recovery, Peers]:
+    """We (b, 4 samples) copy a (8 samples) after our failed round; a already reports the next epoch."""
+    peers = Peers("b", {"a": 8}, epoch=ours.epoch + 1)
+    return Recovery(ours, sending(reference), peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
@@ -839,14 +843,7 @@ def catching_up(ours: StageWorker, source: StageWorker, holders: int = 0) -> tup
 
     peers = Holding("b", dict.fromkeys(["a", *others], 8), epoch=source.epoch)
     peers.p2p_ids = {p: f"Qm{p}" for p in peers.peers}
-    averager = SimpleNamespace(
-        allow_state_sharing=True,
-        lowrank=None,
-        exact_states=True,
-        split_state=lambda meta, tensors: (tensors, []),
-        download_state=lambda *a, **k: source.state_tensors(),
-    )
-    return Recovery(ours, averager, peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
+    return Recovery(ours, sending(source), peers, AveragingConfig(averaging_timeout=5.0), 1, pool=None), peers
 
 
 @pytest.mark.parametrize("steps", [1, 3])
