@@ -894,11 +894,11 @@ class StageCollaboration:
             # --admission-timeout (a 30 s stall of a delayed swarm-local run, "24 of its 32 admitted samples came back")
             # then the others at the source's epoch: the stage's other peers may not hold what the first one sent.
             # Not when we diverged: we copy the peer named, whose state may be its own (nobody vouches for it).
-            # Not diverged, we hold an ancestor of the state we take: one its sender alone holds must be within reach
-            # of ours (a peer alone at the furthest epoch has nobody at its epoch to vouch for or against it)
+            # Not diverged, we may hold an ancestor of the state we take: one its sender alone holds is then held to
+            # ours (a peer alone at the furthest epoch has nobody at its epoch to vouch for or against it)
             at = epochs[source]
             others = [] if at == self.epoch else sorted(p for p, e in epochs.items() if e == at and p != source)
-            vouch, checked = at != self.epoch, not self.diverged and self.recovery.holds_ancestor()
+            vouch, checked = at != self.epoch, not self.diverged
             for attempts, peer in [(3, source), *((1, p) for p in others)]:
                 if await self.recovery.download(
                     peer, attempts=attempts, keep_gradients=True, vouch=vouch, checked=checked
