@@ -164,9 +164,9 @@ class Recovery:
         """Event loop. From `source` (a stage peer's id), through its averager (its libp2p id, from its record).
         `keep_gradients`: see `load`. `vouch`: only if the stage's other peers let us (`vouch`); not when copying
         the state of a peer at our own epoch after stepping alone (delayed steps): its peers may each hold their own.
-        `checked`: catching up, not diverged: if we hold an ancestor of the state (`holds_ancestor`, or the state
-        carries our lineage) and no other peer at its epoch holds it too, it must be within reach of ours
-        (`load_checked`); a state that is not refuses its sender (`StagePeers.refuse`), and we return False."""
+        `checked`: catching up, not diverged: if we hold an ancestor of the state (`holds_ancestor`) and no other
+        peer at its epoch holds it too, it must be within reach of ours (`load_checked`); a state that is not refuses
+        its sender (`StagePeers.refuse`), and we return False."""
         loop = asyncio.get_running_loop()
         p2p_id = self.peers.p2p_ids.get(source)
         if not p2p_id:
@@ -188,10 +188,8 @@ class Recovery:
                         await self.vouch(source, meta, tensors) if vouch and self.averager.exact_states else (None, 0)
                     )
                     # a state its sender alone holds among the peers at its epoch is held to ours, if ours is its
-                    # ancestor: we hold the lineage we last took from the stage, or it holds ours (a claim that
-                    # only ever adds the check)
-                    ancestor = self.holds_ancestor() or meta.get("lineage") == self.worker.lineage
-                    load = self.load_checked if checked and ancestor and not confirmed else self.load
+                    # ancestor
+                    load = self.load_checked if checked and self.holds_ancestor() and not confirmed else self.load
                     await self.worker.submit(functools.partial(load, meta, tensors, keep_gradients, digest))
                     return True
                 except Unvouched as e:  # the stage's other peers hold another state: ask another peer
@@ -267,8 +265,10 @@ class Recovery:
 
     def holds_ancestor(self) -> bool:
         """Any thread: whether the stage's state descends from ours, as far as we know: we started the stage (no peers
-        when we joined) or took a state from it since, and have not stepped alone after (a lone step starts a
-        lineage of our own: `StageWorker.branch`; a state that carries it came from us, and is checked too)."""
+        when we joined) or took a state from it since, and have not stepped alone after: with no peer listed (a
+        lone step starts a lineage of our own: `StageWorker.branch`), or as the reference after a failed round (the
+        stage's history goes on from our step only if its peers copy it: a thawed peer's peers were epochs on, and
+        its honest catch-up was refused in a soak; the stage then copied the peer's state, 50 versions behind)."""
         return self._taken_lineage is not None and self._taken_lineage == self.worker.lineage
 
     def load_checked(
@@ -322,6 +322,7 @@ class Recovery:
                     if reference is None:  # nobody has samples this epoch: nothing to step on
                         break
                     if reference == me:
+                        self._taken_lineage = None  # see `holds_ancestor`
                         logger.warning(
                             "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
                             self.stage,
