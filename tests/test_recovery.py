@@ -51,6 +51,7 @@ class Peers:
         self._refused: dict[str, int] = {}
 
     refuse, distrusted = StagePeers.refuse, StagePeers.distrusted
+    shown_limit = staticmethod(lambda: None)
 
     @property
     def refused(self) -> set[str]:
@@ -78,6 +79,9 @@ class Worker:
     def return_gradients(self, grads, n):
         self.returned = n
 
+    def branch(self):
+        self.lineage = "0123456789abcdef"
+
 
 def test_a_reference_that_stops_answering_is_passed_over():
     """We (b) have 4 samples, a had 8 and is the reference, then the stage drops it (its Progress timed out): we step
@@ -86,9 +90,9 @@ def test_a_reference_that_stops_answering_is_passed_over():
     worker = Worker()
     averager = SimpleNamespace(allow_state_sharing=True, download_state=lambda *a, **k: None)
     recovery = Recovery(worker, averager, peers, AveragingConfig(averaging_timeout=10.0), 0, pool=None)
-    threading.Timer(0.3, lambda: peers.peers.pop("a")).start()
     grads = [torch.ones(3)]
-    started = time.monotonic()
+    started = time.monotonic()  # before the timer: the wait is measured from no later than its start
+    threading.Timer(0.3, lambda: peers.peers.pop("a")).start()
     assert recovery.after_failed_round(grads, 4) is grads
     assert 0.3 <= time.monotonic() - started < 2.0
     assert averager.allow_state_sharing and worker.returned is None
@@ -955,8 +959,9 @@ async def test_a_peer_holds_no_ancestor_of_the_stages_state_after_a_join_without
         assert await recovery.download("a", attempts=1) and recovery.holds_ancestor()
         # the reference after a failed round steps alone: the stage goes on from its step only if its peers copy it
         peers.epoch, peers.counts = ours.epoch, {"a": 1}
-        grads = [torch.zeros_like(p) for p in ours.params]
+        grads, lineage = [torch.zeros_like(p) for p in ours.params], ours.lineage
         assert recovery.after_failed_round(grads, 4) is grads and not recovery.holds_ancestor()
+        assert ours.lineage != lineage  # its own, unless the stage copies it (then with its lineage)
 
     finally:
         ours.shutdown(), source.shutdown()

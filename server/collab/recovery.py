@@ -265,11 +265,16 @@ class Recovery:
 
     def holds_ancestor(self) -> bool:
         """Any thread: whether the stage's state descends from ours, as far as we know: we started the stage (no peers
-        when we joined) or took a state from it since, and have not stepped alone after: with no peer listed (a
-        lone step starts a lineage of our own: `StageWorker.branch`), or as the reference after a failed round (the
+        when we joined) or took a state from it since, and have not stepped alone after: each lone step starts a
+        lineage of our own (`StageWorker.branch`), with no peer listed, as the reference after a failed round (the
         stage's history goes on from our step only if its peers copy it: a thawed peer's peers were epochs on, and
-        its honest catch-up was refused in a soak; the stage then copied the peer's state, 50 versions behind)."""
+        its honest catch-up was refused in a soak; the stage then copied the peer's state, 40 versions behind), or
+        on our own gradients after a failed delayed round (`not_an_ancestor`)."""
         return self._taken_lineage is not None and self._taken_lineage == self.worker.lineage
+
+    def not_an_ancestor(self) -> None:
+        """Compute thread: we stepped alone on our own gradients; see `holds_ancestor`."""
+        self._taken_lineage = None
 
     def load_checked(
         self, meta: dict, tensors: list[torch.Tensor], keep_gradients: bool = False, digest: str | None = None
@@ -282,12 +287,15 @@ class Recovery:
         vouching alone, as is any state through a lossy --state-codec."""
         try:
             steps = int(meta["param_version"]) - self.worker.param_version
-            epochs = int(meta["epoch"]) - self.worker.epoch
+            int(meta["epoch"])
         except Exception as e:  # inf overflows int(): any malformed number is the sender's fault
             raise NotOneStep(f"malformed state: {e!r}") from e
-        if steps > epochs:  # a step an epoch at most: claiming more steps must not carry a state past the check
-            raise NotOneStep(f"it claims {steps} steps in {epochs} epochs")
+        if int(meta["param_version"]) > int(meta["epoch"]):  # a step an epoch at most, from the stage's start
+            raise NotOneStep(f"it claims version {meta['param_version']} at epoch {meta['epoch']}")
         beyond = steps > MAX_BOUNDED_STEPS
+        limit = self.peers.shown_limit()
+        if beyond and limit is not None and int(meta["epoch"]) > limit:  # an epoch claimed to carry it past the check
+            raise NotOneStep(f"it is at epoch {meta['epoch']}, beyond what stage 0's admissions show ({limit})")
         if self.averager.exact_states and not beyond:
             self._check_one_step(meta, tensors)
         elif beyond:
@@ -322,7 +330,10 @@ class Recovery:
                     if reference is None:  # nobody has samples this epoch: nothing to step on
                         break
                     if reference == me:
-                        self._taken_lineage = None  # see `holds_ancestor`
+                        # a history of our own, unless the stage's peers copy our state (and lineage) after our step:
+                        # peers that refused each other and stepped alone each rejoin through the lineage rule once
+                        # the refusal lapses (with one lineage they stayed apart, silently)
+                        self.worker.branch()
                         logger.warning(
                             "stage %d epoch %d: stepping alone with %d samples; the stage's peers will copy our state",
                             self.stage,
