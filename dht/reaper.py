@@ -9,7 +9,7 @@ not forked; its own session, so a terminal's Ctrl-C and the peer's process group
 
 - every `SCAN_INTERVAL_S` notes the peer's descendants (pid and start time, so a reused pid is never signalled),
 - once the peer is gone, sends them SIGTERM, then SIGKILL to those still alive after `GRACE_S`, removes the unix
-  sockets of the p2pd daemons among them, and exits.
+  sockets of the p2pd daemons among them and the p2p client sockets that it and they had bound, and exits.
 
 A descendant started less than a scan before the peer died can be missed; hivemind's children start with the peer.
 Other reapers among the descendants are left alone: each cleans up after its own peer.
@@ -119,6 +119,33 @@ def daemon_sockets(cmdline: bytes) -> list[str]:
     return [path, path.replace("hivemind-p2pd-", "hivemind-p2pclient-")]
 
 
+_CLIENT = re.compile(r"/hivemind-p2pclient-[A-Za-z0-9_-]+\.sock$")
+
+
+def client_sockets(pids: list[int]) -> set[str]:
+    """The hivemind p2p client sockets (`P2P.replicate`'s, in the peer and in each averager: one per process, named
+    apart from its daemon's) that `pids` have bound, from their open files and /proc/net/unix."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        inodes.update(link[8:-1] for link in links if link.startswith("socket:["))
+    if not inodes:
+        return set()
+    found = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in inodes and _CLIENT.search(fields[7]):
+                    found.add(fields[7])
+    except OSError:
+        pass
+    return found
+
+
 def reap(tracked: dict[int, int], sockets: list[str], grace: float = GRACE_S) -> None:
     """SIGTERM to every tracked process still alive, SIGKILL after `grace` s to those left, then remove `sockets`."""
     _signal_all(tracked, signal.SIGTERM)
@@ -148,6 +175,9 @@ def watch(parent: int, interval: float = SCAN_INTERVAL_S) -> None:
             if pid not in tracked:
                 tracked[pid] = started
                 sockets.update(daemon_sockets(_cmdline(pid)))
+        # and the client sockets of hivemind's replicas: removed only by a P2P.shutdown(), which a child ended by a
+        # signal never runs (the 2-core machine's /tmp held ~10,000 of them; a test run left ~200)
+        sockets.update(client_sockets([parent, *tracked]))
         time.sleep(interval)
     reap(tracked, sorted(sockets))
 

@@ -16,12 +16,21 @@ from dht.reaper import _alive, _cmdline, _processes, daemon_sockets, descendants
 from tests.conftest import free_port, wait_for
 
 PEER = """
-import os, sys
+import asyncio, os, sys
 from dht.node import start_dht
 dht = start_dht()
-print(dht.pid, flush=True)
-sys.stdin.readline()
-os._exit(0)  # no shutdown, no atexit: what a crash leaves
+
+async def main():
+    replica = await dht.replicate_p2p()  # a client socket of its own once it serves, as the peer's and each averager's
+    async def handle(*args):
+        pass
+    await replica.add_binary_stream_handler("x", handle)
+    print(dht.pid, flush=True)
+    print(replica._client_listen_maddr["unix"], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    os._exit(0)  # no shutdown, no atexit: what a crash leaves
+
+asyncio.run(main())
 """
 
 
@@ -55,6 +64,8 @@ def test_a_dead_peer_takes_its_dht_child_p2pd_and_sockets_along(end):
     )
     try:
         child = int(parent.stdout.readline())
+        replica_socket = parent.stdout.readline().strip()
+        assert os.path.exists(replica_socket)
         below = wait_for(lambda: (d := descendants(parent.pid)) and any(map(_is_daemon, d)) and d, 30, "p2pd")
         assert not any(b"dht.reaper" in _cmdline(p) for p in below), "the reaper is not among what it reaps"
         (daemon,) = filter(_is_daemon, below)
@@ -75,6 +86,7 @@ def test_a_dead_peer_takes_its_dht_child_p2pd_and_sockets_along(end):
         wait_for(lambda: not any(_alive(p, s) for p, s in below.items()), 20, "the DHT child and p2pd to exit")
         wait_for(lambda: not _alive(reaper, reaper_started), 10, "the reaper to exit")
         assert not any(os.path.exists(path) for path in sockets)
+        assert not os.path.exists(replica_socket), "the replica's client socket (P2P.replicate) is removed too"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
