@@ -680,16 +680,8 @@ class StageCollaboration:
             await self._end_epoch_once(mine)
 
     def _furthest(self) -> int | None:
-        """Any thread: the latest epoch a peer whose state we did not refuse reports. A refused peer alone ahead
-        (found out on a catch-up) is nobody to catch up from: counted, it held us behind it for good (its distrust
-        lapses only as our epochs go on)."""
-        return self.peers.furthest(excluding=self._distrusted())
-
-    def _distrusted(self) -> set[str]:
-        """Any thread: the peers whose state we refused lately, as the stage's epochs go on (as far as stage 0's
-        admissions show them, `_shown_limit`): as ours only, a peer whose epoch stayed open (no samples to step alone
-        on) distrusted the peer it refused, its one way on, for good."""
-        return self.peers.distrusted(max(self.epoch, self.peers.furthest() or self.epoch))
+        """Any thread: the latest epoch a peer whose state we did not refuse lately reports."""
+        return self.peers.furthest_trusted(self.epoch)
 
     def _lost_microbatches(self, epoch: int) -> bool:
         """Stage 0: the epoch's global batch is admitted, but its backwards stopped arriving --admission-timeout ago
@@ -880,7 +872,7 @@ class StageCollaboration:
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
-        distrusted = self._distrusted()
+        distrusted = self.peers.lately_refused(self.epoch)
         epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in distrusted}
         # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
         averaged = self.peers.averaged_since(self._diverged_at)

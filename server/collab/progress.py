@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -311,9 +311,22 @@ class StagePeers:
         view, limit = dict(self.view), self.shown_limit()
         return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
 
-    def furthest(self, excluding: Collection[str] = ()) -> int | None:
-        """The latest epoch a peer reports (`excluding` some: those whose state we refused, `distrusted`)."""
-        return max((e for p, (e, _) in self._shown().items() if p not in excluding), default=None)
+    def furthest(self) -> int | None:
+        return max((e for e, _ in self._shown().values()), default=None)
+
+    def lately_refused(self, epoch: int, shown: dict[str, tuple[int, int]] | None = None) -> set[str]:
+        """`distrusted` as the stage's epochs go on: at our `epoch`, or the furthest a peer reports (as far as stage
+        0's admissions show it) if later. By ours only, a peer whose epoch stayed open (no samples to step alone on)
+        distrusted the peer it refused, its one way on, for good."""
+        shown = self._shown() if shown is None else shown
+        return self.distrusted(max([epoch, *(e for e, _ in shown.values())]))
+
+    def furthest_trusted(self, epoch: int) -> int | None:
+        """The latest epoch a peer reports, leaving out those `lately_refused`: a refused peer alone ahead (found out
+        on a catch-up) is nobody to catch up from; counted, it held us behind it for good."""
+        shown = self._shown()
+        refused = self.lately_refused(epoch, shown)
+        return max((e for p, (e, _) in shown.items() if p not in refused), default=None)
 
     def samples_in(self, epoch: int) -> int:
         """Samples the other peers reported for `epoch`, as they stand in their latest messages."""

@@ -286,16 +286,16 @@ class Recovery:
         MAX_BOUNDED_STEPS versions on (a peer restarted from an old checkpoint) is beyond any check, and taken on the
         vouching alone, as is any state through a lossy --state-codec."""
         try:
-            steps = int(meta["param_version"]) - self.worker.param_version
-            int(meta["epoch"])
+            version, epoch = int(meta["param_version"]), int(meta["epoch"])
         except Exception as e:  # inf overflows int(): any malformed number is the sender's fault
             raise NotOneStep(f"malformed state: {e!r}") from e
-        if int(meta["param_version"]) > int(meta["epoch"]):  # a step an epoch at most, from the stage's start
-            raise NotOneStep(f"it claims version {meta['param_version']} at epoch {meta['epoch']}")
+        if version > epoch:  # a step an epoch at most, from the stage's start
+            raise NotOneStep(f"it claims version {version} at epoch {epoch}")
+        steps = version - self.worker.param_version
         beyond = steps > MAX_BOUNDED_STEPS
         limit = self.peers.shown_limit()
-        if beyond and limit is not None and int(meta["epoch"]) > limit:  # an epoch claimed to carry it past the check
-            raise NotOneStep(f"it is at epoch {meta['epoch']}, beyond what stage 0's admissions show ({limit})")
+        if beyond and limit is not None and epoch > limit:  # an epoch claimed to carry it past the check
+            raise NotOneStep(f"it is at epoch {epoch}, beyond what stage 0's admissions show ({limit})")
         if self.averager.exact_states and not beyond:
             self._check_one_step(meta, tensors)
         elif beyond:
