@@ -594,8 +594,14 @@ class StageCollaboration:
         logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
         await self._broadcast(end_epoch=True)
         if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
-            self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at))
-            await asyncio.sleep(0)  # the spawned task queues its control job before this call's request
+            # this call's request queues after the step: the step may first read the DHT (a peer alone) or stage 0's
+            # signers, and a request queued meanwhile was computed on the parameters of the epoch its admission ended
+            # (CI, stop 55: a skip to the admission's epoch came after the call)
+            queued = asyncio.Event()
+            self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at, queued=queued)).add_done_callback(
+                lambda _: queued.set()  # nothing to queue (it returned early, failed, or was cancelled)
+            )
+            await queued.wait()
 
     async def _step_before(self, admitted_at: int, deadline: float | None) -> None:
         """Delayed steps: wait (until `deadline`, a monotonic time) while our round of epoch e runs and stage 0 is
@@ -705,8 +711,11 @@ class StageCollaboration:
         )
         return True
 
-    async def _end_epoch_once(self, epoch: int, skip_to: int | None = None) -> None:
-        """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe)."""
+    async def _end_epoch_once(
+        self, epoch: int, skip_to: int | None = None, queued: asyncio.Event | None = None
+    ) -> None:
+        """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe).
+        `queued` is set once the step's job is on the compute thread's queue."""
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
             return
         logger.debug("ending epoch %d", epoch)
@@ -721,6 +730,8 @@ class StageCollaboration:
             # samples has a DHT record (trainers found it there): read the DHT once more before stepping alone
             await self._lookup()
         n_peers = self.peers.group_size(epoch)
+        if queued is not None:
+            queued.set()  # its waiter runs after our submit below: a submit queues its job before it first yields
         try:
             if not self.cfg.delay_optimizer_step:
                 await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
