@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +58,8 @@ def _static_relays_only(make_args):
     private. One thread: so that the relay service its flags configure is the one that serves (dht/relay.py)."""
 
     def with_static_relays(*args, **kwargs):
+        if (launched := _LAUNCHED.get()) is not None and "listen" in kwargs:
+            launched.append(str(kwargs["listen"]))
         if "trustedRelays" in kwargs:
             kwargs.setdefault("relayDiscovery", False)
         command = make_args(*args, **kwargs)
@@ -64,8 +69,36 @@ def _static_relays_only(make_args):
     return with_static_relays
 
 
+# the daemons' listen addresses of the P2P.create running in this task (`_removing_failed_sockets`)
+_LAUNCHED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("launched_p2pd", default=None)
+
+
+def _removing_failed_sockets(create):
+    """hivemind's P2P.create, which also removes its daemon's unix socket when the start fails. A daemon that exits
+    at start (none of its bootstrap peers answered: a private swarm's peers refuse a node without the key) has bound
+    it, and hivemind leaves it in /tmp: one per attempt of every start that failed (test_access left 8 a run)."""
+
+    async def create_or_clean_up(cls, *args, **kwargs):
+        launched: list[str] = []
+        token = _LAUNCHED.set(launched)
+        try:
+            return await create.__func__(cls, *args, **kwargs)
+        except BaseException:
+            for maddr in launched:  # "/unix/tmp/hivemind-p2pd-....sock"
+                with contextlib.suppress(OSError):
+                    os.remove(maddr.removeprefix("/unix"))
+            raise
+        finally:
+            _LAUNCHED.reset(token)
+
+    create_or_clean_up.removes_failed_sockets = True  # type: ignore[attr-defined]
+    return classmethod(create_or_clean_up)
+
+
 if not getattr(P2P._make_process_args, "static_relays_only", False):
     P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
+if not getattr(P2P.create, "removes_failed_sockets", False):
+    P2P.create = _removing_failed_sockets(P2P.create)
 
 
 def start_dht(

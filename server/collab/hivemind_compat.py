@@ -601,6 +601,16 @@ class StrictAverager(DecentralizedAverager):
             self._shut = True
             super().shutdown()
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """The averager's process, as it ends: hivemind's, and the unix socket of its handle on the DHT's daemon
+        removed (hivemind never closes that handle: each averager that ended left a socket in /tmp)."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:  # a replica: its shutdown closes our client and removes its socket, not the daemon
+                await p2p.shutdown()
+
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
         """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
         waiting for their scheduled time (hivemind's `target_group_size`, set per round: the stage knows who is in
