@@ -24,6 +24,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
@@ -82,7 +83,7 @@ def _removing_failed_sockets(create):
         launched: list[str] = []
         token = _LAUNCHED.set(launched)
         try:
-            return await create.__func__(cls, *args, **kwargs)
+            p2p = await create.__func__(cls, *args, **kwargs)
         except BaseException:
             for maddr in launched:  # "/unix/tmp/hivemind-p2pd-....sock"
                 with contextlib.suppress(OSError):
@@ -90,15 +91,46 @@ def _removing_failed_sockets(create):
             raise
         finally:
             _LAUNCHED.reset(token)
+        if (started := _STARTED.get()) is not None:
+            started.append(p2p)
+        return p2p
 
     create_or_clean_up.removes_failed_sockets = True  # type: ignore[attr-defined]
     return classmethod(create_or_clean_up)
+
+
+# the daemons started by the DHTNode.create running in this task (`_ending_failed_daemons`)
+_STARTED: contextvars.ContextVar[list[P2P] | None] = contextvars.ContextVar("started_p2p", default=None)
+
+
+def _ending_failed_daemons(create):
+    """hivemind's DHTNode.create, which also shuts down the daemon it started when the node fails to start (its
+    bootstrap peers did not answer its pings: a private swarm's refuse a node without the key). hivemind leaves that
+    daemon running until something kills it, and its sockets in /tmp for good."""
+
+    async def create_or_end(cls, *args, **kwargs):
+        started: list[P2P] = []
+        token = _STARTED.set(started)
+        try:
+            return await create.__func__(cls, *args, **kwargs)
+        except BaseException:
+            for p2p in started:
+                with contextlib.suppress(Exception):
+                    await p2p.shutdown()
+            raise
+        finally:
+            _STARTED.reset(token)
+
+    create_or_end.ends_failed_daemons = True  # type: ignore[attr-defined]
+    return classmethod(create_or_end)
 
 
 if not getattr(P2P._make_process_args, "static_relays_only", False):
     P2P._make_process_args = staticmethod(_static_relays_only(P2P._make_process_args))
 if not getattr(P2P.create, "removes_failed_sockets", False):
     P2P.create = _removing_failed_sockets(P2P.create)
+if not getattr(DHTNode.create, "ends_failed_daemons", False):
+    DHTNode.create = _ending_failed_daemons(DHTNode.create)
 
 
 def start_dht(

@@ -3,6 +3,7 @@ nodes and averagers; forged, stale, replayed and missing proofs."""
 
 import asyncio
 import functools
+import glob
 import logging
 import os
 import re
@@ -141,9 +142,12 @@ async def test_only_nodes_with_the_key_join_a_private_dht_and_the_key_never_reac
         member = await loop.run_in_executor(None, functools.partial(start_dht, maddrs, swarm_key=key))
         assert await loop.run_in_executor(None, member.store, "k", "v", time.time() + 60)
         assert (await loop.run_in_executor(None, boot.get, "k")).value == "v"
+        before = set(glob.glob("/tmp/hivemind-p2pd-*.sock"))
         for other in (None, SwarmKey.new()):
             with pytest.raises(RuntimeError, match="private swarm answers only peers with its key"):
                 await loop.run_in_executor(None, functools.partial(start_dht, maddrs, swarm_key=other))
+        # the refused starts' daemons were shut down with their sockets (hivemind left them: dht/node.py)
+        assert not set(glob.glob("/tmp/hivemind-p2pd-*.sock")) - before
     finally:
         for node in (member, boot):
             if node is not None:
