@@ -70,16 +70,19 @@ def _static_relays_only(make_args):
     return with_static_relays
 
 
-# the daemons' listen addresses of the P2P.create running in this task (`_removing_failed_sockets`)
+# the daemons' listen addresses of the P2P.create running in this task, and the P2P instances that the DHTNode.create
+# running in it started (`_removing_failed_sockets`, `_ending_failed_daemons`)
 _LAUNCHED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("launched_p2pd", default=None)
+_STARTED: contextvars.ContextVar[list[P2P] | None] = contextvars.ContextVar("started_p2p", default=None)
 
 
-def _removing_failed_sockets(create):
-    """hivemind's P2P.create, which also removes its daemon's unix socket when the start fails. A daemon that exits
+def _removing_failed_sockets(create: Any) -> Any:
+    """hivemind's P2P.create, which also removes its daemon's unix socket when the start fails: a daemon that exits
     at start (none of its bootstrap peers answered: a private swarm's peers refuse a node without the key) has bound
-    it, and hivemind leaves it in /tmp: one per attempt of every start that failed (test_access left 8 a run)."""
+    it, and hivemind leaves it in /tmp, one per attempt."""
 
-    async def create_or_clean_up(cls, *args, **kwargs):
+    @functools.wraps(create.__func__)
+    async def create_or_clean_up(cls: type[P2P], *args: Any, **kwargs: Any) -> P2P:
         launched: list[str] = []
         token = _LAUNCHED.set(launched)
         try:
@@ -99,16 +102,13 @@ def _removing_failed_sockets(create):
     return classmethod(create_or_clean_up)
 
 
-# the daemons started by the DHTNode.create running in this task (`_ending_failed_daemons`)
-_STARTED: contextvars.ContextVar[list[P2P] | None] = contextvars.ContextVar("started_p2p", default=None)
-
-
-def _ending_failed_daemons(create):
+def _ending_failed_daemons(create: Any) -> Any:
     """hivemind's DHTNode.create, which also shuts down the daemon it started when the node fails to start (its
     bootstrap peers did not answer its pings: a private swarm's refuse a node without the key). hivemind leaves that
-    daemon running until something kills it, and its sockets in /tmp for good."""
+    daemon running until something kills it, and its sockets in /tmp."""
 
-    async def create_or_end(cls, *args, **kwargs):
+    @functools.wraps(create.__func__)
+    async def create_or_end(cls: type[DHTNode], *args: Any, **kwargs: Any) -> DHTNode:
         started: list[P2P] = []
         token = _STARTED.set(started)
         try:

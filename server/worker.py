@@ -212,7 +212,9 @@ class StageWorker:
 
     async def submit(self, fn: Callable[[], R], deadline: float | None = None, request: bool = False) -> R:
         """Run `fn` on the compute thread: a `request` (Forward, Backward) after those before it, anything else before
-        every waiting request. Raises DeadlineExpired instead of running it if `deadline` (monotonic) passed."""
+        every waiting request. Raises DeadlineExpired instead of running it if `deadline` (monotonic) passed. The job
+        is queued before this first yields (epoch.py's calls that wait for a step's job rely on it): await nothing
+        before `compute.submit`."""
 
         def guarded() -> R:
             if deadline is not None and time.monotonic() > deadline:

@@ -318,28 +318,33 @@ async def test_a_peer_that_finished_the_epoch_stays_in_view_while_our_round_of_i
         assert seen == [(0, epoch + 1)], seen
 
 
-async def test_a_call_of_the_next_epoch_is_computed_after_the_step_however_long_the_step_takes_to_start():
-    """Stage 0's admission of epoch e + 1 ends a stage-1 peer's epoch e before the call runs: the call's gradient is
-    the new epoch's. The step may first read the DHT (a peer alone looks for peers once more) or stage 0's signers;
-    the call used to wait one turn of the event loop for the step's job to be queued, and a slower start let the
-    call go first, computed on the parameters of the epoch it was admitted after (its gradient kept for the next
-    step, one step stale; CI, stop 55, saw a skip to an admission's epoch come after its call). Here the look-up
-    takes a second."""
+async def test_calls_of_the_next_epoch_are_computed_after_the_step_however_long_the_step_takes_to_start():
+    """Stage 0's admission of epoch e + 1 ends a stage-1 peer's epoch e before the call runs, and every call admitted
+    after e waits for that step: the step may first read the DHT (a peer alone looks for peers once more) or stage
+    0's signers, and a call that went first was computed on epoch e's parameters (its gradient kept for the next
+    step, one step stale). Here the look-up takes a second, and two calls of e + 1 come together: the one that ended
+    the epoch, and one that finds it ending."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(last := await start_server(initial_peers, stage=1))
-        worker, lookup = last.service.worker, last.collab._lookup
+        worker, lookup, backward = last.service.worker, last.collab._lookup, last.service.worker.backward
+        computed_at = []
 
         async def slow_lookup():
             await asyncio.sleep(1.0)
             await lookup()
 
-        last.collab._lookup = slow_lookup
+        def backward_and_note(*args, **kwargs):
+            computed_at.append(worker.epoch)
+            return backward(*args, **kwargs)
+
+        last.collab._lookup, worker.backward = slow_lookup, backward_and_note
         epoch, version = worker.epoch, worker.param_version
-        next_epoch = signed_by(first.sdht.identity, "mb-n", epoch + 1, epoch + 1)
-        await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(next_epoch, "mb-n")))
-        # alone and with no sample of epoch e, the peer skipped it: no step, and the call counts towards e + 1
-        assert (worker.epoch, worker.param_version, worker.samples_accumulated) == (epoch + 1, version, B)
+        calls = [last_stage_backward(meta_of(signed_by(first.sdht.identity, m, epoch + 1, epoch + 1), m)) for m in "ab"]
+        await asyncio.gather(*(raw_call(last.record().address, "Backward", call) for call in calls))
+        # alone and with no sample of epoch e, the peer skipped it: no step, and both calls count towards e + 1
+        assert computed_at == [epoch + 1, epoch + 1]
+        assert (worker.epoch, worker.param_version, worker.samples_accumulated) == (epoch + 1, version, 2 * B)
 
 
 async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():

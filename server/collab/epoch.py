@@ -151,6 +151,9 @@ class StageCollaboration:
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._stepped = asyncio.Event()  # set while no epoch is ending (`_step_before`)
         self._stepped.set()
+        # set unless an ending epoch's step is yet to be queued on the compute thread (`_wait_for_the_step_job`)
+        self._step_queued = asyncio.Event()
+        self._step_queued.set()
         self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
         self._claiming: tuple[int, asyncio.Future] | None = None  # stage 0: our claim of an epoch's share, in flight
         self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
@@ -589,19 +592,32 @@ class StageCollaboration:
             raise Behind(
                 f"behind: stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up"
             )
-        if admitted_at <= epoch or self.phase is not Phase.ACCUMULATING:
-            return
-        logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
-        await self._broadcast(end_epoch=True)
-        if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
-            # this call's request queues after the step: the step may first read the DHT (a peer alone) or stage 0's
-            # signers, and a request queued meanwhile was computed on the parameters of the epoch its admission ended
-            # (CI, stop 55: a skip to the admission's epoch came after the call)
-            queued = asyncio.Event()
-            self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at, queued=queued)).add_done_callback(
-                lambda _: queued.set()  # nothing to queue (it returned early, failed, or was cancelled)
-            )
-            await queued.wait()
+        if admitted_at > epoch and self.phase is Phase.ACCUMULATING:
+            logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
+            await self._broadcast(end_epoch=True)
+            if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
+                self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at))
+                await asyncio.sleep(0)  # the task runs first (asyncio's ready queue is FIFO): the epoch is ENDING
+        await self._wait_for_the_step_job(admitted_at, deadline)
+
+    async def _wait_for_the_step_job(self, admitted_at: int, deadline: float | None) -> None:
+        """A call admitted after the epoch that is ending queues its request after that epoch's step: the step may
+        first read the DHT (a peer alone looks for peers once more) or stage 0's signers, and a request queued
+        meanwhile ran on the parameters of the epoch it was admitted after. Waits until `deadline` (monotonic) at
+        most, then raises Behind (the trainer asks again shortly)."""
+        while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending:
+            if self._step_queued.is_set():
+                return
+            patience = None if deadline is None else deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic()
+            try:
+                if patience is not None and patience <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._step_queued.wait(), patience)
+            except TimeoutError:
+                raise Behind(
+                    f"behind: stage {self.stage}: stage 0 is at epoch {admitted_at}, this peer is about to step "
+                    f"epoch {self._ending}; ask again shortly"
+                ) from None
 
     async def _step_before(self, admitted_at: int, deadline: float | None) -> None:
         """Delayed steps: wait (until `deadline`, a monotonic time) while our round of epoch e runs and stage 0 is
@@ -711,16 +727,20 @@ class StageCollaboration:
         )
         return True
 
-    async def _end_epoch_once(
-        self, epoch: int, skip_to: int | None = None, queued: asyncio.Event | None = None
-    ) -> None:
-        """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe).
-        `queued` is set once the step's job is on the compute thread's queue."""
+    async def _end_epoch_once(self, epoch: int, skip_to: int | None = None) -> None:
+        """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe)."""
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
             return
         logger.debug("ending epoch %d", epoch)
         self.phase, self._ending = Phase.ENDING, epoch
         self._stepped.clear()
+        self._step_queued.clear()
+        try:
+            await self._end_epoch(epoch, skip_to)
+        finally:
+            self._step_queued.set()  # also when it failed before its job was queued
+
+    async def _end_epoch(self, epoch: int, skip_to: int | None) -> None:
         self.peers.forget_before(epoch)
         self.served.forget_before(epoch - KEEP_EPOCHS)
         await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: our round's caps
@@ -730,8 +750,8 @@ class StageCollaboration:
             # samples has a DHT record (trainers found it there): read the DHT once more before stepping alone
             await self._lookup()
         n_peers = self.peers.group_size(epoch)
-        if queued is not None:
-            queued.set()  # its waiter runs after our submit below: a submit queues its job before it first yields
+        # the calls waiting for this run after our submit below, which queues its job before it first yields
+        self._step_queued.set()
         try:
             if not self.cfg.delay_optimizer_step:
                 await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
