@@ -128,10 +128,16 @@ def client_sockets(pids: list[int]) -> set[str]:
     inodes: set[str] = set()
     for pid in pids:
         try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:  # gone, or not ours to read
             continue
-        inodes.update(link[8:-1] for link in links if link.startswith("socket:["))
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed since the listing: the others still count
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
     if not inodes:
         return set()
     found = set()

@@ -175,11 +175,18 @@ def test_an_averager_that_ends_removes_its_client_socket():
         with forking():  # the child must not finalize what earlier tests left in this process (dht/forking.py)
             averager.run_in_background(await_ready=True)
         try:  # its own: not those it inherited from this process
-            sockets = client_sockets([averager.pid]) - client_sockets([os.getpid()])
+            sockets: set[str] = set()
+
+            def bound() -> bool:
+                sockets.update(client_sockets([averager.pid]) - client_sockets([os.getpid()]))
+                return bool(sockets)
+
+            wait_for(bound, 10, "the averager's client socket")
             assert len(sockets) == 1 and all(map(os.path.exists, sockets)), sockets
         finally:
             averager.shutdown()
         averager.join(10)
-        assert not averager.is_alive() and not any(map(os.path.exists, sockets))
+        assert not averager.is_alive()
+        wait_for(lambda: not any(map(os.path.exists, sockets)), 5, "the averager's socket to be removed")
     finally:
         dht.shutdown()

@@ -736,23 +736,20 @@ class StageCollaboration:
         self._stepped.clear()
         self._step_queued.clear()
         try:
-            await self._end_epoch(epoch, skip_to)
-        finally:
-            self._step_queued.set()  # also when it failed before its job was queued
-
-    async def _end_epoch(self, epoch: int, skip_to: int | None) -> None:
-        self.peers.forget_before(epoch)
-        self.served.forget_before(epoch - KEEP_EPOCHS)
-        await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: our round's caps
-        if self.peers.group_size(epoch) <= 1:
-            # about to step alone: peers that started with us may not be listed yet, and if each stepped alone the
-            # stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30 steps). A peer with
-            # samples has a DHT record (trainers found it there): read the DHT once more before stepping alone
-            await self._lookup()
-        n_peers = self.peers.group_size(epoch)
-        # the calls waiting for this run after our submit below, which queues its job before it first yields
-        self._step_queued.set()
-        try:
+            try:
+                self.peers.forget_before(epoch)
+                self.served.forget_before(epoch - KEEP_EPOCHS)
+                await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: the caps
+                if self.peers.group_size(epoch) <= 1:
+                    # about to step alone: peers that started with us may not be listed yet, and if each stepped
+                    # alone the stage would hold two models ever after (two stage-1 peers did, 0.02 apart after 30
+                    # steps). A peer with samples has a DHT record (trainers found it there): read the DHT once more
+                    await self._lookup()
+                n_peers = self.peers.group_size(epoch)
+            finally:
+                # the calls waiting for our step job run after the submit below (it queues the job before it first
+                # yields); set here, before anything else of ours awaits, so that no other ending's is set by ours
+                self._step_queued.set()
             if not self.cfg.delay_optimizer_step:
                 await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
             elif not await self.worker.submit(lambda: self._skip_if_empty(epoch, n_peers)):
