@@ -608,16 +608,21 @@ class StageCollaboration:
         while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending:
             if self._step_queued.is_set():
                 return
-            patience = None if deadline is None else deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic()
-            try:
-                if patience is not None and patience <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self._step_queued.wait(), patience)
-            except TimeoutError:
-                raise Behind(
-                    f"behind: stage {self.stage}: stage 0 is at epoch {admitted_at}, this peer is about to step "
-                    f"epoch {self._ending}; ask again shortly"
-                ) from None
+            await self._wait_or_behind(self._step_queued, deadline, admitted_at, "is about to step")
+
+    async def _wait_or_behind(self, event: asyncio.Event, deadline: float | None, admitted_at: int, doing: str) -> None:
+        """Wait for `event` while the call can still be answered (`deadline`, monotonic); past that, raise Behind:
+        the trainer asks again shortly."""
+        patience = None if deadline is None else deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic()
+        try:
+            if patience is not None and patience <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(event.wait(), patience)
+        except TimeoutError:
+            raise Behind(
+                f"behind: stage {self.stage}: stage 0 is at epoch {admitted_at}, this peer {doing} epoch "
+                f"{self._ending}; ask again shortly"
+            ) from None
 
     async def _step_before(self, admitted_at: int, deadline: float | None) -> None:
         """Delayed steps: wait (until `deadline`, a monotonic time) while our round of epoch e runs and stage 0 is
@@ -629,16 +634,7 @@ class StageCollaboration:
         if not self.cfg.delay_optimizer_step:
             return
         while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending + 1:
-            patience = None if deadline is None else deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic()
-            try:
-                if patience is not None and patience <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self._stepped.wait(), patience)
-            except TimeoutError:
-                raise Behind(
-                    f"behind: stage {self.stage}: stage 0 is at epoch {admitted_at}, this peer still averages epoch "
-                    f"{self._ending}; ask again shortly"
-                ) from None
+            await self._wait_or_behind(self._stepped, deadline, admitted_at, "still averages")
 
     async def _poll_forever(self) -> None:
         """Only spawns: neither a DHT read nor an epoch's end holds this loop, so a round's heartbeats go on meanwhile
