@@ -347,6 +347,22 @@ async def test_calls_of_the_next_epoch_are_computed_after_the_step_however_long_
         assert (worker.epoch, worker.param_version, worker.samples_accumulated) == (epoch + 1, version, 2 * B)
 
 
+async def test_a_delayed_peer_alone_behind_stage_zero_skips_to_stage_zeros_epoch_at_once():
+    """A stage-1 peer alone with --delay-optimizer-step and no sample of its epoch, given a call admitted 3 epochs
+    on (stage 0 ended epochs without it), skips to the call's epoch as a synchronous peer does. It used to skip one
+    epoch a call: this call's gradient was then kept as a later epoch's, and the next calls ended the epochs in
+    between, one of them with that gradient (a step of part of a global batch)."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        collab, worker = last.collab, last.service.worker
+        collab.cfg = dataclasses.replace(collab.cfg, delay_optimizer_step=True)
+        epoch, version = worker.epoch, worker.param_version
+        ahead = signed_by(first.sdht.identity, "mb-d", epoch + 3, epoch + 3)
+        await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-d")))
+        assert (worker.epoch, worker.param_version, worker.samples_accumulated) == (epoch + 3, version, B)
+
+
 async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_it_whatever_its_view_says():
     """On stage 0 the admission's signer is a peer of the same stage, at the admission's epoch when it signed. A
     stage-0 peer two epochs behind it refuses that Backward (UNAVAILABLE, nothing computed) even before any Progress

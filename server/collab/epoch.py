@@ -748,7 +748,7 @@ class StageCollaboration:
                 self._step_queued.set()
             if not self.cfg.delay_optimizer_step:
                 await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
-            elif not await self.worker.submit(lambda: self._skip_if_empty(epoch, n_peers)):
+            elif not await self.worker.submit(lambda: self._skip_if_empty(epoch, n_peers, skip_to)):
                 await self._average_and_step_delayed(epoch, n_peers)
         finally:
             if self.phase is Phase.ENDING:
