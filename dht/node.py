@@ -56,7 +56,8 @@ def _static_relays_only(make_args):
     candidates from a feed and waits for four of them, or for its three-minute boot delay, before it reserves a
     slot: a server behind NAT was unreachable for 208-230 s after it started (measured on loopback and behind a
     masquerading router). With static relays only (our bootstrap peers), it reserves as soon as libp2p finds the node
-    private. One thread: so that the relay service its flags configure is the one that serves (dht/relay.py)."""
+    private. One thread: so that the relay service its flags configure is the one that serves (dht/relay.py). Also
+    notes the daemon's listen address for the P2P.create that runs it (`_removing_failed_sockets`)."""
 
     def with_static_relays(*args, **kwargs):
         if (launched := _LAUNCHED.get()) is not None and "listen" in kwargs:

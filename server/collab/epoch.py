@@ -605,9 +605,8 @@ class StageCollaboration:
         first read the DHT (a peer alone looks for peers once more) or stage 0's signers, and a request queued
         meanwhile ran on the parameters of the epoch it was admitted after. Waits until `deadline` (monotonic) at
         most, then raises Behind (the trainer asks again shortly)."""
-        while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending:
-            if self._step_queued.is_set():
-                return
+        ending = self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending
+        if ending and not self._step_queued.is_set():
             await self._wait_or_behind(self._step_queued, deadline, admitted_at, "is about to step")
 
     async def _wait_or_behind(self, event: asyncio.Event, deadline: float | None, admitted_at: int, doing: str) -> None:

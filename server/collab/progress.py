@@ -311,9 +311,6 @@ class StagePeers:
         view, limit = dict(self.view), self.shown_limit()
         return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
 
-    def furthest(self) -> int | None:
-        return max((e for e, _ in self._shown().values()), default=None)
-
     def lately_refused(self, epoch: int, shown: dict[str, tuple[int, int]] | None = None) -> set[str]:
         """`distrusted` as the stage's epochs go on: at our `epoch`, or the furthest a peer reports (as far as stage
         0's admissions show it) if later. By ours only, a peer whose epoch stayed open (no samples to step alone on)
