@@ -1,6 +1,7 @@
 """Codec round trips with written-down error bounds, and the wire stream format."""
 
 import asyncio
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,17 @@ from swarm.protocol.frames import (
     read_call,
 )
 from swarm.protocol.rpc import PROTOCOL_VERSION
-from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, decode_tensor, encode_tensor
+from swarm.protocol.tensors import (
+    EncodedTensor,
+    WireError,
+    WireStats,
+    check_encoded,
+    decode_tensor,
+    encode_tensor,
+    relayed,
+)
 
+CPU = torch.device("cpu")
 # Bounds are relative to the tensor's RMS, for Gaussian data. fp16 has an 11-bit mantissa (2^-11 relative per value);
 # dynamic 8-bit blockwise quantisation keeps ~1e-2 relative RMS error (Dettmers et al., 8-bit optimizers).
 RMS_BOUNDS = {"none": 0.0, "fp16": 1e-3, "blockwise8": 2e-2}
@@ -237,6 +247,75 @@ def test_a_received_payload_is_held_in_its_frames_and_joined_where_it_is_decoded
     assert enc.joined is False  # counting bytes does not join
     assert torch.equal(decode_tensor(enc, torch.device("cpu")), x)
     assert enc.joined is True
+
+
+def test_a_received_tensor_is_sent_on_in_the_frames_it_came_in():
+    """A trainer sends a reply on to the next stage: the frames of its payload after the first go out as the same
+    objects (no copy); only the first piece, which shared its frame with the header, is framed again."""
+    x = torch.randn(4, 512, 64, generator=torch.Generator().manual_seed(0))  # 512 KiB: 4 frames of 128 KiB
+    frames, call = roundtrip([encode_tensor("outputs", x, get_codec("none"))], 128 << 10, names=("outputs",))
+    sent_on = relayed(call.tensors["outputs"], "inputs")
+    assert sent_on.bytes_to_frame == 128 << 10  # the first piece
+    again = list(iter_frames(pb.CallMeta(protocol_version=PROTOCOL_VERSION), [sent_on], 128 << 10))
+    assert len(again) == 4 and all(a is b for a, b in zip(again[1:], frames[1:], strict=True))
+    limits = Limits(max_tensor_bytes=64 << 20, allowed_names=frozenset({"inputs"}))
+    got = asyncio.run(read_call(_frames(again), limits)).tensors["inputs"]
+    assert got.relay_frames() is not None  # and on again from there
+    assert torch.equal(decode_tensor(got, torch.device("cpu")), x)
+
+    decode_tensor(sent_on, torch.device("cpu"))  # joined: its frames go with its pieces (no second copy held)
+    assert sent_on.relay_frames() is None and sent_on.bytes_to_frame == sent_on.nbytes
+    assert torch.equal(decode_tensor(relayed(sent_on, "x"), torch.device("cpu")), x)
+
+
+def test_only_frames_of_nothing_but_their_piece_are_sent_on_as_they_came():
+    """A frame with anything beside its data (an unknown field, a second data field) is not resent: what goes on
+    is framed again from the checked bytes, and reads back the same."""
+    x = torch.randn(3 * VIEW_MIN_BYTES // 4)
+    enc = encode_tensor("outputs", x, get_codec("none"))
+    meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION)
+    payload, third = bytes(enc.payload), enc.nbytes // 3
+    extra = bytes([15 << 3 | 0]) + _varint(7)  # field 15, a varint: protobuf keeps it as unknown
+    limits = Limits(max_tensor_bytes=64 << 20, allowed_names=frozenset({"outputs"}))
+    cases = {
+        "clean": (encode_frame(data=payload[third : 2 * third]), True),
+        "an unknown field after": (encode_frame(data=payload[third : 2 * third]) + extra, False),
+        "an unknown field before": (extra + encode_frame(data=payload[third : 2 * third]), False),
+    }
+    for case, (middle, kept) in cases.items():
+        frames = [encode_frame(meta, enc.header, payload[:third]), middle, encode_frame(data=payload[2 * third :])]
+        got = asyncio.run(read_call(_frames(frames), limits)).tensors["outputs"]
+        assert (got.relay_frames() is not None) is kept, case
+        again = list(iter_frames(meta, [relayed(got, "outputs")]))
+        assert any(f is middle for f in again) is kept, case
+        assert all(not f.endswith(extra) and not f.startswith(extra) for f in again), case
+        assert torch.equal(decode_tensor(asyncio.run(read_call(_frames(again), limits)).tensors["outputs"], CPU), x)
+
+
+def test_a_reply_of_plain_values_is_checked_in_its_pieces():
+    """codec none and fp16: every piece is read where it lies (nothing joined); NaN, inf or a value beyond the bound
+    in any piece is refused, as are pieces split inside a value (then joined and checked whole)."""
+    for codec in ("none", "fp16"):
+        x = torch.randn(4, 256, 64, generator=torch.Generator().manual_seed(1))
+        _, call = roundtrip([encode_tensor("outputs", x, get_codec(codec))], 64 << 10, names=("outputs",))
+        enc = call.tensors["outputs"]
+        assert check_encoded(enc, "reply", 100.0) is None and not enc.joined
+        for bad in (math.nan, math.inf, -1e3):
+            y = x.clone()
+            y[3, 255, 63] = bad  # in the last piece
+            _, call = roundtrip([encode_tensor("outputs", y, get_codec(codec))], 64 << 10, names=("outputs",))
+            with pytest.raises(WireError, match="outside"):
+                check_encoded(call.tensors["outputs"], "reply", 100.0)
+    y = torch.randn(1000)
+    y[500] = math.nan
+    enc = encode_tensor("outputs", y, get_codec("none"))
+    split = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:1999]), bytearray(bytes(enc.payload)[1999:])])
+    with pytest.raises(WireError, match="outside"):
+        check_encoded(split, "reply", 100.0)
+    assert split.joined
+    short = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:400])])  # its header says 4000 bytes
+    with pytest.raises(WireError, match="payload is 400 bytes"):
+        check_encoded(short, "reply", 100.0)
 
 
 def test_a_small_payload_or_one_beside_other_fields_is_copied_not_held():

@@ -52,6 +52,7 @@ class StageReply:
 
 
 # an earlier reply's bytes sent on are framed (copied) on the event loop below this size, in the codec pool above it
+# (only its first piece where the rest came in frames of their own: EncodedTensor.relay_frames)
 RELAY_ON_LOOP_BYTES = 1 << 20
 
 
@@ -133,8 +134,8 @@ class StageClient:
             return deque(iter_frames(meta, encoded))
 
         # frames are bytes both ways (swarm.protocol.frames): each payload is copied once into its frames, here in the
-        # codec pool, not on the event loop, unless nothing is encoded and the bytes are few
-        few = sum(t.nbytes for t in tensors.values() if isinstance(t, EncodedTensor)) < RELAY_ON_LOOP_BYTES
+        # codec pool, not on the event loop, unless nothing is encoded and the bytes to copy are few
+        few = sum(t.bytes_to_frame for t in tensors.values() if isinstance(t, EncodedTensor)) < RELAY_ON_LOOP_BYTES
         if few and all(isinstance(t, EncodedTensor) for t in tensors.values()):
             request = frames()
         else:

@@ -119,12 +119,20 @@ class Codec(ABC):
         decoding can tell (NaN and inf included)."""
         return None
 
+    def values_dtype(self, header: pb.TensorHeader, nbytes: int) -> torch.dtype | None:
+        """The dtype of the payload's values where the payload of `nbytes` bytes is the values themselves, in order
+        (after the checks `decode` makes of the parameters and the size; raises CodecError like it); None for codecs
+        that transform them. Such a payload can be checked in the pieces it came in, without joining or decoding."""
+        return None
+
     @abstractmethod
     def encoded_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """Payload bytes of a tensor of `numel` values of `dtype`: for byte accounting without encoding. ValueError
         from codecs whose size depends on the shape (low-rank, top-k)."""
 
     @staticmethod
-    def _check_size(header: pb.TensorHeader, payload: Buffer, expected: int) -> None:
-        if len(payload) != expected:
-            raise CodecError(f"tensor {header.name!r}: payload is {len(payload)} bytes, its header implies {expected}")
+    def _check_size(header: pb.TensorHeader, payload: Buffer | int, expected: int) -> None:
+        """`payload`: the payload, or its length."""
+        n = payload if isinstance(payload, int) else len(payload)
+        if n != expected:
+            raise CodecError(f"tensor {header.name!r}: payload is {n} bytes, its header implies {expected}")

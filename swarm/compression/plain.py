@@ -22,6 +22,12 @@ class NoneCodec(Codec):
         self._check_size(header, payload, math.prod(shape) * dtype.itemsize)
         return bytes_to_tensor(payload, dtype, shape).to(device)
 
+    def values_dtype(self, header, nbytes):
+        dtype = WIRE_TO_DTYPE[header.dtype]
+        _no_params(self, header)
+        self._check_size(header, nbytes, math.prod(header.shape) * dtype.itemsize)
+        return dtype
+
     def encoded_bytes(self, numel, dtype):
         return numel * dtype.itemsize
 
@@ -37,6 +43,11 @@ class Float16Codec(Codec):
         _no_params(self, header)
         self._check_size(header, payload, math.prod(shape) * 2)
         return bytes_to_tensor(payload, torch.float16, shape).to(device).to(WIRE_TO_DTYPE[header.dtype])
+
+    def values_dtype(self, header, nbytes):
+        _no_params(self, header)
+        self._check_size(header, nbytes, math.prod(header.shape) * 2)
+        return torch.float16
 
     def encoded_bytes(self, numel, dtype):
         return numel * 2

@@ -53,15 +53,21 @@ def encode_frame(
 
 
 def iter_frames(meta: pb.CallMeta, tensors: list[EncodedTensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Serialized `Frame`s of one call: `meta` in the first, each tensor's header before its payload's chunks."""
+    """Serialized `Frame`s of one call: `meta` in the first, each tensor's header before its payload's chunks (the
+    first in the header's frame: a frame of its own would cost a gRPC message, ~1 ms on loopback, bench_transport).
+    A payload that arrived here in frames is sent on in the frames it came in, all but its first piece (no copy:
+    EncodedTensor.relay_frames)."""
     if not tensors:
         yield encode_frame(meta)
         return
     for i, enc in enumerate(tensors):
-        view = memoryview(enc.payload).cast("B")
+        relay = enc.relay_frames()
+        head, frames = relay if relay is not None else (enc.payload, ())
+        view = memoryview(head).cast("B")
         yield encode_frame(meta if i == 0 else None, enc.header, view[:chunk_bytes])
         for start in range(chunk_bytes, len(view), chunk_bytes):
             yield encode_frame(data=view[start : start + chunk_bytes])
+        yield from frames
 
 
 def _read_varint(view: memoryview, pos: int, max_bytes: int = 10) -> tuple[int, int] | None:
@@ -248,6 +254,9 @@ async def read_call(
     # up to the header's size (checked against the limits), so a header that declares a large tensor and sends
     # nothing holds nothing
     pieces: list[memoryview | bytearray] = []
+    # the frames of its pieces after the first while each held nothing but its piece, kept as it came
+    # (EncodedTensor.relay_frames: sent on as they came)
+    bare: list[bytes] | None = None
     got = 0
     taken = 0
     # held for the frame being read: gRPC receives a stream's next message into memory once it is asked for, so the
@@ -267,7 +276,7 @@ async def read_call(
                 raise WireError(
                     f"tensor {current.name!r}: got {got} payload bytes, header says {current.payload_bytes}"
                 )
-            call.tensors[current.name] = EncodedTensor(current, pieces)
+            call.tensors[current.name] = EncodedTensor(current, pieces, tuple(bare) if bare else None)
 
     try:
         async for message in _within(frames, idle_timeout, before_read):
@@ -290,7 +299,7 @@ async def read_call(
             if frame.HasField("tensor"):
                 finish()
                 _check_header(frame.tensor, limits, call.tensors)
-                current, pieces, got = frame.tensor, [], 0
+                current, pieces, bare, got = frame.tensor, [], [], 0
             if len(data):
                 if current is None:
                     raise WireError("payload data before any tensor header")
@@ -302,6 +311,11 @@ async def read_call(
                     budget.take(len(data), caller)
                     taken += len(data)
                 keep_payload(pieces, data, len(data) if isinstance(message, pb.Frame) else len(message))
+                if bare is not None and len(pieces) > 1:  # each piece after the first: a frame of its own?
+                    if isinstance(message, bytes) and pieces[-1] is data and _holds_only(message, data):
+                        bare.append(message)
+                    else:
+                        bare = None
                 got += len(data)
             del message, frame, data  # not held while waiting for the next (the pieces hold what is kept)
         if call is None:
@@ -315,6 +329,12 @@ async def read_call(
         budget.release(read_ahead, caller)
     call.reserved, call.caller = taken, caller
     return call
+
+
+def _holds_only(raw: bytes, data: memoryview) -> bool:
+    """Whether serialized frame `raw` is `data` and nothing else, as encode_frame(data=data) writes it."""
+    head = _varint(_DATA_KEY) + _varint(len(data))
+    return len(raw) == len(head) + len(data) and raw.startswith(head)
 
 
 def keep_payload(pieces: list[memoryview | bytearray], data: memoryview, frame_bytes: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections import defaultdict
 
 import torch
@@ -46,14 +47,25 @@ class EncodedTensor:
     A received payload stays in the pieces it came in (views into the frames gRPC handed over, or copies of small
     ones: swarm.protocol.frames `keep_payload`) until something reads `payload`, which joins them once: a receiver's
     event loop only collects pieces, and the one copy into contiguous memory happens where the tensor is decoded (a
-    server's compute thread, a trainer's codec pool)."""
+    server's compute thread). A payload that is the values themselves (codec none, fp16) is checked in its pieces
+    (check_encoded), and one whose pieces after the first came in frames of their own is sent on in those frames
+    (`relay_frames`): a trainer relays a hidden state or gradient between stages copying its first piece only."""
 
-    __slots__ = ("header", "nbytes", "_payload", "_pieces")
+    __slots__ = ("header", "nbytes", "_payload", "_pieces", "_frames")
 
-    def __init__(self, header: pb.TensorHeader, payload: Buffer | list[memoryview | bytearray]):
+    def __init__(
+        self,
+        header: pb.TensorHeader,
+        payload: Buffer | list[memoryview | bytearray],
+        frames: tuple[bytes, ...] | None = None,
+    ):
+        """`frames`, with `payload` in pieces: the frames the pieces after the first are views into, one each, in
+        order, each a frame of nothing but its `data` (encode_frame(data=piece)), as swarm.protocol.frames
+        `read_call` finds them."""
         self.header = header
         self._payload: Buffer | None
         self._pieces: list[memoryview | bytearray] | None
+        self._frames = frames if isinstance(payload, list) and frames and len(frames) == len(payload) - 1 else None
         if isinstance(payload, list):
             self._payload, self._pieces = None, payload
             self.nbytes = sum(len(piece) for piece in payload)
@@ -67,16 +79,42 @@ class EncodedTensor:
         if pieces is None:
             assert self._payload is not None
             return self._payload
-        # a bytearray: writable, so torch.frombuffer takes it without another copy. Set before the pieces go
+        # a bytearray: writable, so torch.frombuffer takes it without another copy. Set before the pieces go; the
+        # frames go with them (held, they would keep a second copy of the payload)
         joined = pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytearray) else bytearray().join(pieces)
         self._payload = joined
         self._pieces = None
+        self._frames = None
         return joined
 
     @property
     def joined(self) -> bool:
         """Whether the payload is in one piece of memory (received pieces are joined on first use of `payload`)."""
         return self._pieces is None
+
+    @property
+    def pieces(self) -> list[memoryview | bytearray] | None:
+        """The payload in the pieces it came in; None once joined."""
+        return self._pieces
+
+    def relay_frames(self) -> tuple[memoryview | bytearray, tuple[bytes, ...]] | None:
+        """(the payload's first piece, the frames of nothing but its data the other pieces came in), to send it on
+        with only the first piece copied; None if it came otherwise (or was joined since)."""
+        frames, pieces = self._frames, self._pieces  # read in the order `payload` clears them: both or neither
+        return None if frames is None or pieces is None else (pieces[0], frames)
+
+    @property
+    def bytes_to_frame(self) -> int:
+        """The payload bytes iter_frames copies to send this tensor."""
+        relay = self.relay_frames()
+        return self.nbytes if relay is None else len(relay[0])
+
+    def renamed(self, header: pb.TensorHeader) -> EncodedTensor:
+        """The same payload (in the same pieces and frames, nothing copied) under `header`."""
+        pieces, frames = self._pieces, self._frames  # read before `payload`, which clears them in this order
+        if pieces is None:
+            return EncodedTensor(header, self.payload)
+        return EncodedTensor(header, list(pieces), frames)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -111,10 +149,32 @@ def decode_tensor(enc: EncodedTensor, device: torch.device, ctx: CodecContext | 
         raise WireError(str(e)) from e
 
 
+# check_encoded reads received pieces in place: read-only memory, which torch.frombuffer takes with a warning that
+# writing to it would be undefined (nothing here writes to it)
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+
+
 def check_encoded(enc: EncodedTensor, name: str, bound: float, device: torch.device = CPU) -> torch.Tensor | None:
     """Raises WireError unless every value `enc` decodes to is finite and within [-bound, bound] (check_values), and
-    its payload is well formed. Decodes only where the codec cannot bound the values from the payload (8-bit can:
-    no value exceeds its block's scale), and then returns the decoded tensor; otherwise None."""
+    its payload is well formed. A payload of the values themselves (codec none, fp16) still in the pieces it came in
+    is read there: nothing is joined or copied. Otherwise decodes only where the codec cannot bound the values from
+    the payload (8-bit can: no value exceeds its block's scale), and then returns the decoded tensor; else None."""
+    pieces = enc.pieces
+    if pieces is not None:
+        try:
+            dtype = CODECS_BY_WIRE[enc.header.codec].values_dtype(enc.header, enc.nbytes)
+        except CodecError as e:
+            raise WireError(str(e)) from e
+        if dtype is not None and dtype.is_floating_point and all(len(p) % dtype.itemsize == 0 for p in pieces):
+            for piece in pieces:
+                if len(piece):
+                    check_values(torch.frombuffer(piece, dtype=dtype), name, bound)
+            return None
+    return _checked(enc, name, bound, device)
+
+
+def _checked(enc: EncodedTensor, name: str, bound: float, device: torch.device) -> torch.Tensor | None:
+    """check_encoded on the joined payload: the decoded tensor where the codec cannot bound its values, else None."""
     codec = CODECS_BY_WIRE[enc.header.codec]
     try:
         known = codec.value_bound(enc.header, enc.payload)
@@ -131,7 +191,7 @@ def check_encoded(enc: EncodedTensor, name: str, bound: float, device: torch.dev
 
 def decode_checked(enc: EncodedTensor, device: torch.device, name: str, bound: float) -> torch.Tensor:
     """decode_tensor, with its values checked as check_values does, in one pass over the data at most."""
-    decoded = check_encoded(enc, name, bound, device)
+    decoded = _checked(enc, name, bound, device)
     return decoded if decoded is not None else decode_tensor(enc, device)
 
 
@@ -141,7 +201,7 @@ def relayed(enc: EncodedTensor, name: str) -> EncodedTensor:
     header = pb.TensorHeader()
     header.CopyFrom(enc.header)
     header.name = name
-    return EncodedTensor(header, enc.payload)
+    return enc.renamed(header)
 
 
 class WireStats:
