@@ -22,7 +22,7 @@ from swarm.protocol.frames import (
     keep_payload,
     read_call,
 )
-from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION
 from swarm.protocol.tensors import (
     EncodedTensor,
     WireError,
@@ -261,52 +261,76 @@ def test_a_received_tensor_is_sent_on_in_the_frames_it_came_in():
     limits = Limits(max_tensor_bytes=64 << 20, allowed_names=frozenset({"inputs"}))
     got = asyncio.run(read_call(_frames(again), limits)).tensors["inputs"]
     assert got.relay_frames() is not None  # and on again from there
-    assert torch.equal(decode_tensor(got, torch.device("cpu")), x)
+    assert torch.equal(decode_tensor(got, CPU), x)
 
-    decode_tensor(sent_on, torch.device("cpu"))  # joined: its frames go with its pieces (no second copy held)
+    decode_tensor(sent_on, CPU)  # joined: its frames go with its pieces (no second copy held)
     assert sent_on.relay_frames() is None and sent_on.bytes_to_frame == sent_on.nbytes
-    assert torch.equal(decode_tensor(relayed(sent_on, "x"), torch.device("cpu")), x)
+    assert torch.equal(decode_tensor(relayed(sent_on, "x"), CPU), x)
 
 
 def test_only_frames_of_nothing_but_their_piece_are_sent_on_as_they_came():
-    """A frame with anything beside its data (an unknown field, a second data field) is not resent: what goes on
-    is framed again from the checked bytes, and reads back the same."""
-    x = torch.randn(3 * VIEW_MIN_BYTES // 4)
+    """A frame with anything beside its data (an unknown field, a second data field), or with more than a chunk of it
+    (a libp2p message may carry more than a gRPC one), is not resent: what goes on is framed again from the checked
+    bytes, in chunks, and reads back the same."""
+    x = torch.randn(3 * VIEW_MIN_BYTES // 4, generator=torch.Generator().manual_seed(2))
     enc = encode_tensor("outputs", x, get_codec("none"))
     meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION)
     payload, third = bytes(enc.payload), enc.nbytes // 3
     extra = bytes([15 << 3 | 0]) + _varint(7)  # field 15, a varint: protobuf keeps it as unknown
+    middle = payload[third : 2 * third]
     limits = Limits(max_tensor_bytes=64 << 20, allowed_names=frozenset({"outputs"}))
     cases = {
-        "clean": (encode_frame(data=payload[third : 2 * third]), True),
-        "an unknown field after": (encode_frame(data=payload[third : 2 * third]) + extra, False),
-        "an unknown field before": (extra + encode_frame(data=payload[third : 2 * third]), False),
+        "clean": (encode_frame(data=middle), True),
+        "an unknown field after": (encode_frame(data=middle) + extra, False),
+        "an unknown field before": (extra + encode_frame(data=middle), False),
+        "a data field before": (encode_frame(data=bytes(8)) + encode_frame(data=middle), False),  # the last counts
     }
-    for case, (middle, kept) in cases.items():
-        frames = [encode_frame(meta, enc.header, payload[:third]), middle, encode_frame(data=payload[2 * third :])]
+    for case, (frame, kept) in cases.items():
+        frames = [encode_frame(meta, enc.header, payload[:third]), frame, encode_frame(data=payload[2 * third :])]
         got = asyncio.run(read_call(_frames(frames), limits)).tensors["outputs"]
         assert (got.relay_frames() is not None) is kept, case
         again = list(iter_frames(meta, [relayed(got, "outputs")]))
-        assert any(f is middle for f in again) is kept, case
-        assert all(not f.endswith(extra) and not f.startswith(extra) for f in again), case
+        assert any(f is frame for f in again) is kept, case
+        assert kept or again == list(iter_frames(meta, [enc])), case  # framed afresh: nothing of the odd frame
         assert torch.equal(decode_tensor(asyncio.run(read_call(_frames(again), limits)).tensors["outputs"], CPU), x)
+
+    big = torch.randn(3 * CHUNK_BYTES // 4, generator=torch.Generator().manual_seed(3))  # 3 chunks
+    enc = encode_tensor("outputs", big, get_codec("none"))
+    payload = bytes(enc.payload)
+    oversized = [encode_frame(meta, enc.header, payload[:CHUNK_BYTES]), encode_frame(data=payload[CHUNK_BYTES:])]
+    got = asyncio.run(read_call(_frames(oversized), limits)).tensors["outputs"]
+    assert got.relay_frames() is None
+    again = list(iter_frames(meta, [relayed(got, "outputs")]))
+    assert len(again) == 3 and all(len(f) <= CHUNK_BYTES + 64 for f in again)
 
 
 def test_a_reply_of_plain_values_is_checked_in_its_pieces():
-    """codec none and fp16: every piece is read where it lies (nothing joined); NaN, inf or a value beyond the bound
-    in any piece is refused, as are pieces split inside a value (then joined and checked whole)."""
-    for codec in ("none", "fp16"):
-        x = torch.randn(4, 256, 64, generator=torch.Generator().manual_seed(1))
-        _, call = roundtrip([encode_tensor("outputs", x, get_codec(codec))], 64 << 10, names=("outputs",))
+    """codec none (float32, bfloat16) and fp16: every piece is read where it lies (nothing joined); NaN, inf or a
+    value beyond the bound in any piece is refused, also with a bound fp16 cannot hold (1e5: inf in fp16, where a
+    comparison in the payload's dtype let inf through). Pieces split inside a value, and fp16 for a bfloat16 tensor
+    (whose values round on decoding), are joined and checked as decoded."""
+    gen = torch.Generator().manual_seed(1)
+    for codec, dtype, bound in [
+        ("none", torch.float32, 100.0),
+        ("none", torch.bfloat16, 100.0),
+        ("fp16", torch.float32, 100.0),
+        ("fp16", torch.float32, 1e5),
+    ]:
+        x = torch.randn(4, 256, 128, generator=gen).to(dtype)  # 4 or 2 frames of 128 KiB: held as they came
+        _, call = roundtrip([encode_tensor("outputs", x, get_codec(codec))], 128 << 10, names=("outputs",))
         enc = call.tensors["outputs"]
-        assert check_encoded(enc, "reply", 100.0) is None and not enc.joined
-        for bad in (math.nan, math.inf, -1e3):
-            y = x.clone()
-            y[3, 255, 63] = bad  # in the last piece
-            _, call = roundtrip([encode_tensor("outputs", y, get_codec(codec))], 64 << 10, names=("outputs",))
-            with pytest.raises(WireError, match="outside"):
-                check_encoded(call.tensors["outputs"], "reply", 100.0)
-    y = torch.randn(1000)
+        assert len(enc.pieces) > 1 and check_encoded(enc, "reply", bound) is None and not enc.joined, (codec, dtype)
+        for where in [(0, 0, 0), (1, 255, 0), (3, 255, 127)]:  # in the first, a middle and the last piece
+            for bad in (math.nan, math.inf, -math.inf, -2 * bound):
+                y = x.clone()
+                y[where] = bad
+                _, call = roundtrip([encode_tensor("outputs", y, get_codec(codec))], 128 << 10, names=("outputs",))
+                enc = call.tensors["outputs"]
+                with pytest.raises(WireError, match="outside"):
+                    check_encoded(enc, "reply", bound)
+                assert not enc.joined, (codec, dtype, bound, where, bad)  # refused in its pieces
+
+    y = torch.randn(1000, generator=gen)
     y[500] = math.nan
     enc = encode_tensor("outputs", y, get_codec("none"))
     split = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:1999]), bytearray(bytes(enc.payload)[1999:])])
@@ -316,6 +340,13 @@ def test_a_reply_of_plain_values_is_checked_in_its_pieces():
     short = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:400])])  # its header says 4000 bytes
     with pytest.raises(WireError, match="payload is 400 bytes"):
         check_encoded(short, "reply", 100.0)
+
+    z = torch.full((1000,), 65504.0)  # fits fp16; a bfloat16 tensor decodes it as 65536, beyond the bound
+    enc = encode_tensor("outputs", z.to(torch.bfloat16), get_codec("fp16"))
+    pieces = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:1000]), bytearray(bytes(enc.payload)[1000:])])
+    with pytest.raises(WireError, match="outside"):
+        check_encoded(pieces, "reply", 65504.0)
+    assert pieces.joined
 
 
 def test_a_small_payload_or_one_beside_other_fields_is_copied_not_held():

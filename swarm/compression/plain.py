@@ -47,7 +47,8 @@ class Float16Codec(Codec):
     def values_dtype(self, header, nbytes):
         _no_params(self, header)
         self._check_size(header, nbytes, math.prod(header.shape) * 2)
-        return torch.float16
+        # a float16 value is the value decoded to float16 or float32 exactly; in bfloat16 it rounds (65504 -> 65536)
+        return torch.float16 if WIRE_TO_DTYPE[header.dtype] in (torch.float16, torch.float32) else None
 
     def encoded_bytes(self, numel, dtype):
         return numel * 2

@@ -312,7 +312,9 @@ async def read_call(
                     taken += len(data)
                 keep_payload(pieces, data, len(data) if isinstance(message, pb.Frame) else len(message))
                 if bare is not None and len(pieces) > 1:  # each piece after the first: a frame of its own?
-                    if isinstance(message, bytes) and pieces[-1] is data and _holds_only(message, data):
+                    # (of at most a chunk: a larger one, which a libp2p message can carry, would not go out over gRPC)
+                    fits = len(data) <= CHUNK_BYTES
+                    if isinstance(message, bytes) and fits and pieces[-1] is data and _holds_only(message, data):
                         bare.append(message)
                     else:
                         bare = None

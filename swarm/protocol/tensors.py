@@ -34,11 +34,11 @@ def check_values(x: torch.Tensor, name: str, bound: float) -> None:
     activation or gradient never comes near the float32 limit, and one that does would overflow what it meets."""
     if x.numel() == 0 or not x.is_floating_point():
         return
-    lo, hi = torch.aminmax(x)  # NaN propagates to both; an inf is one of them
-    if not bool((lo >= -bound) & (hi <= bound)):
-        raise WireError(
-            f"{name} has values outside [-{bound:g}, {bound:g}] (min {float(lo):.3g}, max {float(hi):.3g}), or NaN"
-        )
+    ends = torch.aminmax(x)  # NaN propagates to both; an inf is one of them
+    # compared as Python floats: in x's dtype the bound rounds (1e5 is inf in fp16, 65504 is 65536 in bf16)
+    lo, hi = float(ends.min), float(ends.max)
+    if not (lo >= -bound and hi <= bound):
+        raise WireError(f"{name} has values outside [-{bound:g}, {bound:g}] (min {lo:.3g}, max {hi:.3g}), or NaN")
 
 
 class EncodedTensor:
@@ -49,7 +49,10 @@ class EncodedTensor:
     event loop only collects pieces, and the one copy into contiguous memory happens where the tensor is decoded (a
     server's compute thread). A payload that is the values themselves (codec none, fp16) is checked in its pieces
     (check_encoded), and one whose pieces after the first came in frames of their own is sent on in those frames
-    (`relay_frames`): a trainer relays a hidden state or gradient between stages copying its first piece only."""
+    (`relay_frames`): a trainer relays a hidden state or gradient between stages copying its first piece only.
+
+    Any thread may read it and join it (a join replaces the pieces by one payload; readers that took the pieces or
+    frames before keep valid views: the bytes are the same either way); nothing writes to a payload."""
 
     __slots__ = ("header", "nbytes", "_payload", "_pieces", "_frames")
 
@@ -65,7 +68,8 @@ class EncodedTensor:
         self.header = header
         self._payload: Buffer | None
         self._pieces: list[memoryview | bytearray] | None
-        self._frames = frames if isinstance(payload, list) and frames and len(frames) == len(payload) - 1 else None
+        assert frames is None or (isinstance(payload, list) and len(frames) == len(payload) - 1)
+        self._frames = frames
         if isinstance(payload, list):
             self._payload, self._pieces = None, payload
             self.nbytes = sum(len(piece) for piece in payload)
@@ -149,9 +153,9 @@ def decode_tensor(enc: EncodedTensor, device: torch.device, ctx: CodecContext | 
         raise WireError(str(e)) from e
 
 
-# check_encoded reads received pieces in place: read-only memory, which torch.frombuffer takes with a warning that
-# writing to it would be undefined (nothing here writes to it)
-warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+# check_encoded reads received pieces where they lie, in read-only memory, which torch.frombuffer takes with a warning
+# that writing to it is undefined; nothing here writes to it (the filter covers this module's calls alone)
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning, r"swarm\.protocol\.tensors$")
 
 
 def check_encoded(enc: EncodedTensor, name: str, bound: float, device: torch.device = CPU) -> torch.Tensor | None:

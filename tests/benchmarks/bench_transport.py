@@ -5,8 +5,8 @@ byte accounting, framing, reply parsing with limits, shape and finite checks) ag
 parsing, header limits before buffering, decode, schema and finite validation, the hop to the compute thread, encode
 of the reply, framing). The trainer keeps a reply as it came (it sends it on to the next stage, never decodes it), and
 so does the benchmark. "relayed request" is the trainer's call between two stages: its request is an earlier reply's
-tensor, sent on in the frames it came in. The stage's compute is replaced by the identity (`IdentityWorker`), so the number is the
-wire format's overhead, not the model's speed. Its model is a real stage schema: d_model 1024, seq 512.
+tensor, sent on in the frames it came in. The stage's compute is replaced by the identity (`IdentityWorker`), so the
+number is the wire format's overhead, not the model's speed. Its model is a real stage schema: d_model 1024, seq 512.
 
 The raw echo is a stream-stream service that returns each bytes message it gets, no protobuf, no checks: the client
 sends the same payload in the same 2 MiB messages and reads them back. It copies nothing in Python (its chunks are built
@@ -161,9 +161,8 @@ async def run(repeats: int) -> dict:
             def stage_call(client: StageClient, to: str = address, inputs: torch.Tensor | EncodedTensor = x):
                 async def call() -> None:
                     reply = await client.call(to, "Forward", 1, "m", {"inputs": inputs}, SHAPE, 60)
-                    assert (
-                        reply.encoded is not None and reply.encoded.shape == SHAPE
-                    )  # checked, as the trainer keeps it
+                    # kept as it came (checked, not decoded), as the trainer keeps a reply it sends on
+                    assert reply.encoded is not None and reply.encoded.shape == SHAPE
 
                 return call
 
