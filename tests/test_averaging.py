@@ -34,6 +34,7 @@ from server.collab.hivemind_compat import (
     MAX_WAITING_PARTS,
     AveragerClosed,
     ClippedPartReducer,
+    ClosesReplica,
     ExactAllReduceRunner,
     StrictAverager,
     _declared,
@@ -126,7 +127,7 @@ def test_two_peers_average_for_real(codec):
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(50_000, generator=gen), torch.randn(50_000, generator=gen)
     expected = (a + 2 * b) / 3  # weighted by 1 and 2
-    results = run_round(DecentralizedAverager, codec, [[a], [b]])
+    results = run_round(ClosesReplica, codec, [[a], [b]])  # hivemind's averager, which leaves no socket behind
     for (got,) in results:
         err = ((got - expected).norm() / expected.norm()).item()
         moved = min((got - a).norm().item(), (got - b).norm().item()) / expected.norm().item()

@@ -540,7 +540,22 @@ class AveragerClosed(AllreduceException):
     """A round asked of an averager that is shutting down."""
 
 
-class StrictAverager(DecentralizedAverager):
+class ClosesReplica(DecentralizedAverager):
+    """A DecentralizedAverager whose process, as it ends, closes its handle on the DHT's daemon (a `P2P.replicate`
+    that hivemind never closes: each averager that ended left its unix socket in /tmp)."""
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """The averager's process: hivemind's shutdown, then the replica's (which closes our client and removes its
+        socket, not the daemon: that is the DHT's)."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            p2p = getattr(self, "_p2p", None)
+            if p2p is not None:
+                await p2p.shutdown()
+
+
+class StrictAverager(ClosesReplica):
     """A DecentralizedAverager whose rounds average everything or fail, whose peers end each round with identical
     values (ExactAllReduceRunner), whose groups hold only the peers it was told of, and that can download the state
     of one named peer.
@@ -600,16 +615,6 @@ class StrictAverager(DecentralizedAverager):
         if not self._shut and self.is_alive():
             self._shut = True
             super().shutdown()
-
-    async def _shutdown(self, timeout: float | None) -> None:
-        """The averager's process, as it ends: hivemind's, and the unix socket of its handle on the DHT's daemon
-        removed (hivemind never closes that handle: each averager that ended left a socket in /tmp)."""
-        try:
-            await super()._shutdown(timeout)
-        finally:
-            p2p = getattr(self, "_p2p", None)
-            if p2p is not None:  # a replica: its shutdown closes our client and removes its socket, not the daemon
-                await p2p.shutdown()
 
     def expect_group(self, size: int | None, members: Iterable[str] | None = None) -> None:
         """Rounds from the next `step` on begin as soon as `size` peers (us included) have gathered, instead of
