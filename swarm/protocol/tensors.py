@@ -34,9 +34,9 @@ def check_values(x: torch.Tensor, name: str, bound: float) -> None:
     activation or gradient never comes near the float32 limit, and one that does would overflow what it meets."""
     if x.numel() == 0 or not x.is_floating_point():
         return
-    ends = torch.aminmax(x)  # NaN propagates to both; an inf is one of them
-    # compared as Python floats: in x's dtype the bound rounds (1e5 is inf in fp16, 65504 is 65536 in bf16)
-    lo, hi = float(ends.min), float(ends.max)
+    # NaN propagates to both ends; an inf is one of them. One read from the device, compared as Python floats: in x's
+    # dtype the bound rounds (1e5 is inf in fp16, 65504 is 65536 in bf16)
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
     if not (lo >= -bound and hi <= bound):
         raise WireError(f"{name} has values outside [-{bound:g}, {bound:g}] (min {lo:.3g}, max {hi:.3g}), or NaN")
 
