@@ -8,7 +8,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_wire | bytes per microbatch per traffic class and codec; codec GB/s against a copy; codec time / stage compute |
 | bench_transport | stage RPC round trip of a 4x512x1024 activation against a raw grpc.aio bytes echo |
 | bench_pipeline | local swarm samples/s against the same stages in one process (wall time and per CPU-second) |
-| bench_averaging | local swarm samples/s with 2 servers per stage (all-reduce) against 1; early rounds against rounds that wait |
+| bench_averaging | local swarm samples/s with 2 servers per stage (all-reduce) against 1; early rounds against rounds that wait; `--slowdown N`: on emulated devices, against the same swarm stepping alone |
 | bench_routing | shares of microbatches of servers slowed 1x/2x/4x against their capacities; stage throughput |
 | bench_wan | relative throughput behind shaping proxies (wan_proxy.py): bandwidth x RTT x codec |
 | bench_quality | held-out loss of swarm-local configurations against one process trained on the same samples |
