@@ -341,9 +341,12 @@ def test_a_reply_of_plain_values_is_checked_in_its_pieces():
     with pytest.raises(WireError, match="payload is 400 bytes"):
         check_encoded(short, "reply", 100.0)
 
-    z = torch.full((1000,), 65504.0)  # fits fp16; a bfloat16 tensor decodes it as 65536, beyond the bound
-    enc = encode_tensor("outputs", z.to(torch.bfloat16), get_codec("fp16"))
-    pieces = EncodedTensor(enc.header, [bytearray(bytes(enc.payload)[:1000]), bytearray(bytes(enc.payload)[1000:])])
+    # 65504 in fp16 (within the bound) under a bfloat16 header: it decodes to 65536, beyond the bound
+    enc = encode_tensor("outputs", torch.full((1000,), 65504.0), get_codec("fp16"))
+    header = pb.TensorHeader()
+    header.CopyFrom(enc.header)
+    header.dtype = pb.DTYPE_BFLOAT16
+    pieces = EncodedTensor(header, [bytearray(bytes(enc.payload)[:1000]), bytearray(bytes(enc.payload)[1000:])])
     with pytest.raises(WireError, match="outside"):
         check_encoded(pieces, "reply", 65504.0)
     assert pieces.joined

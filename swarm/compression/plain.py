@@ -17,10 +17,8 @@ class NoneCodec(Codec):
         return b"", tensor_view(t)
 
     def decode(self, header, payload, device, ctx=None):
-        dtype, shape = WIRE_TO_DTYPE[header.dtype], tuple(header.shape)
-        _no_params(self, header)
-        self._check_size(header, payload, math.prod(shape) * dtype.itemsize)
-        return bytes_to_tensor(payload, dtype, shape).to(device)
+        dtype = self.values_dtype(header, len(payload))  # its checks are decode's
+        return bytes_to_tensor(payload, dtype, tuple(header.shape)).to(device)
 
     def values_dtype(self, header, nbytes):
         dtype = WIRE_TO_DTYPE[header.dtype]
@@ -39,16 +37,18 @@ class Float16Codec(Codec):
         return b"", tensor_view(t.to(torch.float16))
 
     def decode(self, header, payload, device, ctx=None):
-        shape = tuple(header.shape)
-        _no_params(self, header)
-        self._check_size(header, payload, math.prod(shape) * 2)
-        return bytes_to_tensor(payload, torch.float16, shape).to(device).to(WIRE_TO_DTYPE[header.dtype])
+        self._check(header, len(payload))
+        return bytes_to_tensor(payload, torch.float16, tuple(header.shape)).to(device).to(WIRE_TO_DTYPE[header.dtype])
 
     def values_dtype(self, header, nbytes):
-        _no_params(self, header)
-        self._check_size(header, nbytes, math.prod(header.shape) * 2)
+        self._check(header, nbytes)
         # a float16 value is the value decoded to float16 or float32 exactly; in bfloat16 it rounds (65504 -> 65536)
         return torch.float16 if WIRE_TO_DTYPE[header.dtype] in (torch.float16, torch.float32) else None
+
+    def _check(self, header: pb.TensorHeader, nbytes: int) -> None:
+        """What decode checks before it reads the payload: no parameters, two bytes per value."""
+        _no_params(self, header)
+        self._check_size(header, nbytes, math.prod(header.shape) * 2)
 
     def encoded_bytes(self, numel, dtype):
         return numel * 2
