@@ -23,9 +23,9 @@ from swarm.protocol import access, reach
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import CALL_WINDOW_S, METADATA_KEY, SwarmKey
 from swarm.protocol.rpc import SERVICE, StageStub, aio_channel, stage_handler, start_stage_server
-from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
 from tests.peers import stock_dht
+from tools.local import LocalSwarm
 
 pytestmark = pytest.mark.timeout(120)
 INFO = f"/{SERVICE}/Info"

@@ -16,7 +16,7 @@ from server.config import (
 from server.main import build_parser as server_parser
 from swarm.cli import config_from_args, to_argv
 from swarm.rebalance import RebalanceConfig
-from swarm.tools.local import LocalConfig, LocalSwarm, local_server, main
+from tools.local import LocalConfig, LocalSwarm, local_server, main
 from trainer.config import TrainerConfig
 from trainer.main import build_parser as trainer_parser
 
@@ -66,7 +66,7 @@ def test_swarm_local_starts_exactly_the_configs_it_describes(tmp_path, monkeypat
     started = {}
     monkeypatch.setattr(swarm, "spawn", lambda name, module, args: started.setdefault(name, (module, args)))
     swarm.initial_peers = ["/ip4/127.0.0.1/tcp/1/p2p/Z"]
-    from swarm.tools.local import start_peers
+    from tools.local import start_peers
 
     start_peers(swarm, cfg)
     module, argv = started["server-s1-r0"]

@@ -21,8 +21,8 @@ from swarm.model import GPT, embedding_init
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, sync_channel
 from swarm.protocol.tensors import WireStats
-from swarm.tools.local import LocalSwarm
 from tests.conftest import free_port, wait_for
+from tools.local import LocalSwarm
 from trainer.client import StageClient
 from trainer.data import load_corpus, microbatches
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-import swarm.tools.local as local
+import tools.local as local
 from server.config import NetworkConfig, OptimizerConfig, ServerConfig
 from server.export import build_parser as export_parser
 from server.main import build_parser as server_parser
 from swarm.cli import config_from_args, config_values, model_from_args, parse_args, write_config_file
 from swarm.config import model_config
 from swarm.rebalance import RebalanceConfig
-from swarm.tools.local import LocalConfig
-from swarm.tools.simulate import build_parser as simulate_parser
+from tools.local import LocalConfig
+from tools.simulate import build_parser as simulate_parser
 from trainer.config import TrainerConfig
 from trainer.main import build_parser as trainer_parser
 

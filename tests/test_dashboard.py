@@ -13,8 +13,8 @@ import pytest
 from dht.records import PeerEntry, ServerRecord
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION
-from swarm.tools.monitor import MAX_TEXT, PeerView, SwarmView, peer_view
 from tests.conftest import processes_with_marker, wait_for
+from tools.monitor import MAX_TEXT, PeerView, SwarmView, peer_view
 
 
 def entry(peer: str, stage: int, ready: bool = True, host: str = "127.0.0.1") -> PeerEntry:
@@ -83,7 +83,7 @@ def test_ctrl_c_stops_every_process(tmp_path, marker):
     """swarm-local's Ctrl-C, once every process it starts runs (a small swarm: 2 stages of 1 server, 1 trainer): all
     of them end, and it exits 0. (The dashboard's browser test runs against the defaults run in test_integration.py.)"""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarm.tools.local", "--duration", "0", "--stages", "2", "--servers-per-stage", "1"]
+        [sys.executable, "-m", "tools.local", "--duration", "0", "--stages", "2", "--servers-per-stage", "1"]
         + ["--trainers", "1", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

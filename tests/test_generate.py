@@ -17,7 +17,9 @@ from swarm.compression import CompressionPolicy
 from swarm.config import model_config
 from swarm.model import GPT
 from swarm.protocol.tensors import WireStats
-from swarm.tools.generate import (
+from tests.conftest import free_port
+from tests.peers import MODEL, SWARM, server_config
+from tools.generate import (
     BYTES,
     SwarmPipeline,
     decode,
@@ -28,9 +30,7 @@ from swarm.tools.generate import (
     sample,
     swarm_settings,
 )
-from swarm.tools.local import LocalConfig, LocalSwarm, sample_text
-from tests.conftest import free_port
-from tests.peers import MODEL, SWARM, server_config
+from tools.local import LocalConfig, LocalSwarm, sample_text
 from trainer.client import StageClient
 
 TINY = model_config("tiny_test", n_stages=2)

@@ -15,8 +15,8 @@ from urllib.request import urlopen
 
 import pytest
 
-from swarm.tools.local import LocalSwarm
 from tests.conftest import free_port, processes_with_marker, scrape, wait_for
+from tools.local import LocalSwarm
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def defaults_run(tmp_path_factory):
     started = time.monotonic()
     with out_path.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.tools.local", "--duration", str(DEFAULTS_DURATION)]
+            [sys.executable, "-m", "tools.local", "--duration", str(DEFAULTS_DURATION)]
             + ["--summary-json", str(summary), "--log-dir", str(log_dir)],
             stdout=out,
             stderr=subprocess.STDOUT,

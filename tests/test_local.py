@@ -3,7 +3,7 @@ test_integration.py and test_rebalance_live.py)."""
 
 import pytest
 
-from swarm.tools.local import LocalConfig, main
+from tools.local import LocalConfig, main
 
 
 def test_servers_per_stage_takes_one_count_or_one_per_stage():
@@ -21,7 +21,7 @@ def test_a_bad_allocation_is_refused_with_a_message(bad, capsys):
 @pytest.mark.parametrize(
     "command, argv",
     [
-        ("swarm.tools.local", ["--stages", "1"]),
+        ("tools.local", ["--stages", "1"]),
         ("server.main", ["--n-stages", "1", "--stage", "0"]),
         ("trainer.main", ["--n-stages", "1"]),
     ],

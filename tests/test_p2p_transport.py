@@ -19,9 +19,9 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.access import SwarmKey
 from swarm.protocol.p2p import MESSAGE, P2PStub, circuit_through, handler_name, path_of, serve
 from swarm.protocol.rpc import Channels
-from swarm.tools.local import LocalSwarm
 from tests import netns
 from tests.conftest import wait_for
+from tools.local import LocalSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

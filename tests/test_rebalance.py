@@ -17,7 +17,7 @@ from swarm.rebalance import (
     pipeline_throughput,
     plan_moves,
 )
-from swarm.tools.simulate import SimConfig, main, read_trace, simulate, synthetic_trace
+from tools.simulate import SimConfig, main, read_trace, simulate, synthetic_trace
 
 pytestmark = pytest.mark.timeout(60)
 NOW = 10_000.0

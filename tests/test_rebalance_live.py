@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
+from tools.local import LocalSwarm
 
 pytestmark = [pytest.mark.integration]
 

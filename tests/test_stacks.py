@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from swarm import stacks
-from swarm.tools.local import LocalSwarm
 from tests.conftest import wait_for
+from tools.local import LocalSwarm
 
 
 def test_a_failure_inside_a_local_swarm_prints_each_log_and_has_each_peer_write_its_stacks(tmp_path, marker, capsys):

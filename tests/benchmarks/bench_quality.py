@@ -1,6 +1,6 @@
 """Training quality per sample: the swarm against one process training the same model on the same samples.
 
-For each configuration a local swarm (`swarm.tools.local`, the same code path as `swarm-local`) trains until its
+For each configuration a local swarm (`tools.local`, the same code path as `swarm-local`) trains until its
 trainers have completed a fixed number of samples, then every server saves its stage (SIGTERM). One process then
 trains the same model from the same seed on exactly those samples (each trainer's data stream, as many microbatches as
 it completed, interleaved), with the same optimizer, learning rate, weight decay, per-stage clipping and global batch.
@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 
 from swarm.config import ModelConfig
 from swarm.model import GPT, clip_gradients
-from swarm.tools.local import LocalConfig, LocalSwarm, start_peers
 from tests.benchmarks import common
+from tools.local import LocalConfig, LocalSwarm, start_peers
 from trainer.data import load_corpus, microbatches
 
 HOLDOUT = 0.1  # the corpus' last 10% is held out

@@ -323,7 +323,7 @@ class LocalSwarm:
         url_file = self.log_dir / "monitor.url"
         url_file.unlink(missing_ok=True)
         args = ["--swarm-name", self.swarm_name, "--initial-peers", *self.initial_peers, *self.key_args]
-        child = self.spawn("monitor", "swarm.tools.monitor", [*args, "--port", str(port), "--url-file", str(url_file)])
+        child = self.spawn("monitor", "tools.monitor", [*args, "--port", str(port), "--url-file", str(url_file)])
         deadline = time.monotonic() + timeout
         while not url_file.exists():
             if not child.alive() or time.monotonic() > deadline:
@@ -471,7 +471,7 @@ SAMPLE_TIMEOUT_S = 120.0  # swarm-generate's start (a DHT node) and one forward 
 def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> str | None:
     """`cfg.sample_bytes` bytes sampled from the live swarm by swarm-generate (a child process, stopped like the
     others), or None after printing why not: a sample that fails never fails the run."""
-    from swarm.tools.generate import GenerateConfig  # here: it imports hivemind, which the launcher needs nowhere else
+    from tools.generate import GenerateConfig  # here: it imports hivemind, which the launcher needs nowhere else
 
     out_path, log_path = swarm.log_dir / "sample.txt", swarm.log_dir / "generate.log"
     try:
@@ -484,7 +484,7 @@ def sample_text(swarm: LocalSwarm, cfg: LocalConfig, stop: threading.Event) -> s
         print(f"sampling {cfg.sample_bytes} bytes after {gen.prompt!r} from the swarm (see {log_path})...", flush=True)
         with open(out_path, "wb") as out, open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                dying_with_parent(["-m", "swarm.tools.generate", *to_argv(gen), *swarm.model_args]),
+                dying_with_parent(["-m", "tools.generate", *to_argv(gen), *swarm.model_args]),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=log,

@@ -307,8 +307,8 @@ class Monitor:
 
 
 def build_app(monitor: Monitor) -> web.Application:
-    page = resources.files("swarm.tools").joinpath("monitor.html").read_text()
-    script = resources.files("swarm.tools").joinpath("monitor.js").read_text()
+    page = resources.files("tools").joinpath("monitor.html").read_text()
+    script = resources.files("tools").joinpath("monitor.js").read_text()
     plotly_js = resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
     headers = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'"}
 
