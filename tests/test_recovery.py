@@ -18,8 +18,9 @@ import torch
 from server.checkpoint import load_checkpoint, save_checkpoint
 from server.collab.averaging import StageAverager
 from server.collab.lowrank import AcpState, Layout
-from server.collab.progress import REFUSED_EPOCHS, StagePeers
-from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, catch_up_source, vouched
+from server.collab.progress import StagePeers
+from server.collab.recovery import JOIN_READS, PROBE_S, Recovery, Unvouched, vouched
+from server.collab.rules import REFUSED_EPOCHS, catch_up_source
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.optim import (
     MAX_BOUNDED_STEPS,
@@ -359,25 +360,6 @@ async def test_a_reference_that_freezes_while_we_wait_for_it_is_found_out_within
             assert took < PROBE_S + 0.5 + 1.5, took
         finally:
             await peers.close()
-
-
-async def test_a_peer_whose_state_we_refused_is_nobody_ahead_of_us():
-    """A refused peer alone at the furthest epoch (a catch-up found its state out of reach of ours) counted as ahead:
-    the peer kept trying to catch up from nobody and refused work as behind, and its distrust, which lapses as its
-    epochs go on, never lapsed (epoch.py `_furthest`)."""
-    peers = StagePeers(SimpleNamespace(peer_id="me", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
-    peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2"}
-    try:
-        peers.record(pb.StageProgress(peer_id="a", epoch=9, samples=0))
-        peers.record(pb.StageProgress(peer_id="b", epoch=5, samples=0))
-        assert peers.furthest_trusted(5) == 9
-        peers.refuse("a", 5)
-        assert peers.furthest_trusted(5) == 5 and peers.lately_refused(5) == {"a"}
-        # the refusal lapses as the stage goes on, though our epoch stays where it is (ours stayed open)
-        peers.record(pb.StageProgress(peer_id="b", epoch=5 + REFUSED_EPOCHS, samples=0))
-        assert peers.furthest_trusted(5) == 5 + REFUSED_EPOCHS and not peers.lately_refused(5)
-    finally:
-        await peers.close()
 
 
 def test_a_downloaded_state_is_loaded_unless_two_peers_at_its_epoch_agree_on_another_held_by_fewer():

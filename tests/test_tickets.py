@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dht.identity import Identity
+from server.collab import rules
 from server.collab.epoch import Phase
 from server.collab.tickets import READ_INTERVAL_S, TicketRefused, Tickets, TicketUnchecked, ticket_bytes
 from server.service import DRAIN_S, ReplyCache
@@ -300,7 +301,7 @@ async def test_a_peer_that_finished_the_epoch_stays_in_view_while_our_round_of_i
         average, seen = a.collab._average, []
 
         def average_and_look(*args):
-            seen.append((a.worker.samples_accumulated, a.collab._shown_limit()))
+            seen.append((a.worker.samples_accumulated, rules.shown_limit(a.collab.view())))
             return average(*args)
 
         a.collab._average = average_and_look
@@ -379,7 +380,7 @@ async def test_a_stage_zero_peer_behind_the_peer_that_signed_a_backward_refuses_
         servers.append(await start_server(initial_peers, stage=1))
         worker = behind.service.worker
         epoch, done = worker.epoch, worker.samples_processed
-        assert (behind.collab.peers.furthest_trusted(epoch) or epoch) <= epoch  # its view: nobody ahead
+        assert (rules.furthest(behind.collab.view()) or epoch) <= epoch  # its view: nobody ahead
 
         def stage_zero_backward(ticket: Admission, microbatch_id: str) -> list[bytes]:
             tokens, _ = random_batch(MODEL, B)

@@ -33,12 +33,14 @@ import torch
 
 from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
+from server.collab import rules
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import averager_options, build_averaging
 from server.collab.hivemind_compat import check_version, warm_up_8bit
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
-from server.collab.recovery import Recovery, catch_up_source
+from server.collab.recovery import Recovery
+from server.collab.rules import Act, EpochView
 from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
 from server.collab.tickets import Ticket, Tickets
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
@@ -132,7 +134,7 @@ class StageCollaboration:
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)
         self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
-        self.peers.shown_limit = self._shown_limit  # how far a peer can be is what stage 0's admissions show
+        self.peers.shown_limit = lambda: rules.shown_limit(self.view())  # as far as stage 0's admissions show
         self.averaging.cap_weights(self._proven_weights)
         if self.tied is not None:  # in the tied round too, for our own stage's peers
             self.tied.cap_own_stage(self._proven_weights, float(self._most_samples()))
@@ -160,7 +162,7 @@ class StageCollaboration:
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
-        self._joined_at: int | None = None  # the epoch we started serving the stage in (`_trusting`)
+        self._joined_at: int | None = None  # the epoch we started serving the stage in (rules.py `trusting`)
         self._averaged: int | None = None  # the last epoch whose stage round ended for us (our Progress says it)
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
@@ -317,7 +319,7 @@ class StageCollaboration:
             self.epoch,
             self.phase.value,
         )
-        if msg.end_epoch and msg.epoch == self.epoch and self.phase is Phase.ACCUMULATING and self._may_end():
+        if msg.end_epoch and rules.on_end_message(self.view(), int(msg.epoch)):
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         self._admission.set()
@@ -331,43 +333,25 @@ class StageCollaboration:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
         return self.cfg.samples_per_step + self.cfg.lookahead_samples + self.worker.compute_cfg.max_batch_size
 
-    def _done(self) -> int:
-        """Samples of our current epoch's global batch the stage holds, as far as we can tell: ours, and those our
-        peers' admissions proved (each microbatch once: served.py `distinct`). Their counts alone are their word."""
-        return self.worker.samples_accumulated + self.served.distinct(self.epoch)
-
-    def _trusting(self) -> bool:
-        """Whether a stage peer's word alone ends our epoch. On stage 0: its peers sign the admissions anyway, and
-        end an epoch whose microbatches were lost, which nothing proves. In the epoch we joined the stage in: the
-        proofs of its first samples came before we did (a restarted peer would wait for stage 0 to move on, and with
-        tied embeddings stage 0 waits in the tied round for it)."""
-        return self.stage == 0 or self._joined_at is None or self.epoch <= self._joined_at
-
-    def _may_end(self) -> bool:
-        """Whether the stage may have finished our current epoch: stage 0 signed an admission of a later epoch (a
-        call's, or one a peer's Progress carried: `moved_on`), or what the stage holds of it makes the global batch.
-        A stage peer's word alone (its `end_epoch`, its report of a later epoch) does not end it (`_trusting` aside):
-        a listed peer that lied so ended the stage's epochs before their samples came, and its part weighed all the
-        round's weight."""
-        return self._trusting() or self.tickets.stage0_at > self.epoch or self._done() >= self.cfg.samples_per_step
-
-    def _shown_limit(self) -> int | None:
-        """Any thread: the latest epoch stage 0's admissions show a stage peer can be at (None: its word goes,
-        `_trusting`). A peer at epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and
-        a peer of a later stage may have finished A itself (on its count, before stage 0 did; and the epochs after
-        A that stage 0 admitted early, --lookahead-samples); our own epoch, once proven, and while we end it (its
-        samples have left our count then: an honest peer that finished it must stay in view while our round runs).
-        Our view of the peers leaves out one that reports more (StagePeers `shown_limit`), rather than take it as
-        far as it can be: else a liar's far epoch made us copy its state, give up our round as over for everyone,
-        or refuse work as behind with nobody shown ahead to copy."""
-        if self._trusting():
-            return None
-        mine, at, ending = self.epoch, self.tickets.stage0_at, self._ending
-        early = self.cfg.lookahead_samples // self.cfg.samples_per_step  # whole epochs admitted early
-        if at > mine:
-            return at + 1 + early
-        proven = (ending is not None and ending >= mine) or self._done() >= self.cfg.samples_per_step
-        return mine + 1 + early if proven else mine
+    def view(self) -> EpochView:
+        """Any thread: what the epoch rules (rules.py) decide on, as it stands now (the compute thread may move the
+        epoch on meanwhile: every field is read against one reading of it)."""
+        epoch = self.epoch
+        return EpochView(
+            stage=self.stage,
+            epoch=epoch,
+            quota=self.cfg.samples_per_step,
+            lookahead=self.cfg.lookahead_samples,
+            held=self.worker.samples_accumulated,
+            proven=self.served.distinct(epoch),
+            stage0_at=self.tickets.stage0_at,
+            joined_at=self._joined_at,
+            ending=self._ending,
+            accumulating=self.phase is Phase.ACCUMULATING,
+            diverged=self.diverged,
+            peer_epochs={p: e for p, (e, _) in dict(self.peers.view).items()},
+            refused_at=self.peers.refused_at(),
+        )
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
         """Any thread: the most each listed peer's part may weigh in our parts of `epoch`'s round, by libp2p id."""
@@ -431,7 +415,7 @@ class StageCollaboration:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
                 raise AdmissionRefused("admission: this peer of stage 0 is leaving the stage")
-            if self.phase is Phase.RECOVERING or (self._furthest() or epoch) >= epoch + 2:
+            if self.phase is Phase.RECOVERING or rules.behind_for_admission(self.view()):
                 self._kick.set()
                 raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
             if self.peers.must_claim(epoch):
@@ -582,17 +566,15 @@ class StageCollaboration:
         # thawed after a freeze took such a Backward before it heard that its peer was ahead, skipped to the
         # admission's epoch, and lost the gradient when it caught up (a soak's 30 s stall: stage 0 waited
         # --admission-timeout for those samples)
-        signer_ahead = self.stage == 0 and meta.admitted_by != self.sdht.peer_id
-        # (the peers' epochs only then: reading them adds up what our peers proved, on every call otherwise)
-        if admitted_at >= epoch + 2 and (signer_ahead or (self._furthest() or -1) > epoch):
-            # a peer of ours is ahead: we missed its epochs. With none ahead, the whole stage is behind stage 0 (it
-            # ended epochs without us, on --admission-timeout): we end ours and skip the rest, as do our peers on
-            # their next call, rather than each wait for another to catch up from (they all would, for ever)
+        signer_is_peer = self.stage == 0 and meta.admitted_by != self.sdht.peer_id
+        # (the view only then: it adds up what our peers proved, on every call otherwise)
+        decision = rules.on_call(self.view(), admitted_at, signer_is_peer) if admitted_at > epoch else None
+        if decision is not None and decision.act is Act.BEHIND:
             self._kick.set()  # the poller catches up from the peer furthest ahead
             raise Behind(
                 f"behind: stage {self.stage}: this peer is at epoch {epoch}, stage 0 at {admitted_at}: catching up"
             )
-        if admitted_at > epoch and self.phase is Phase.ACCUMULATING:
+        if decision is not None and decision.act is Act.ANNOUNCE_AND_END:
             logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
             await self._broadcast(end_epoch=True)
             if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
@@ -680,47 +662,42 @@ class StageCollaboration:
             logger.debug("stage %d: reading the peers of the tied weight's stages timed out", self.stage)
 
     async def _maybe_end_epoch(self) -> None:
-        if self.phase is not Phase.ACCUMULATING:
-            return
-        mine = self.epoch
-        ahead = self._furthest()
-        ahead = mine if ahead is None else ahead
-        if ahead >= mine + 2 or self.diverged:
+        view = self.view()
+        decision = rules.on_poll(view, lost=self._lost_microbatches(view.epoch))
+        if decision.act is Act.CATCH_UP:
             await self._catch_up()
-        elif ahead == mine + 1:  # peers just finished this epoch: join their all-reduce (or step alone, then resync)
-            await self._end_epoch_once(mine)
-        elif self._done() >= self.cfg.samples_per_step:
+            return
+        if decision.act is Act.WAIT:
+            return
+        if decision.act is Act.ANNOUNCE_AND_END:
+            if rules.done(view) < view.quota:
+                logger.warning(
+                    "stage 0 epoch %d: %d of its %d admitted samples came back in %.0fs; ending the epoch without "
+                    "the rest",
+                    view.epoch,
+                    self._stalled_at[1],
+                    self.admission.total(view.epoch),
+                    self.cfg.admission_timeout,
+                )
             await self._broadcast(end_epoch=True)
-            await self._end_epoch_once(mine)
-        elif self._lost_microbatches(mine):
-            await self._broadcast(end_epoch=True)
-            await self._end_epoch_once(mine)
-
-    def _furthest(self) -> int | None:
-        """Any thread: the latest epoch a peer whose state we did not refuse lately reports."""
-        return self.peers.furthest_trusted(self.epoch)
+        await self._end_epoch_once(view.epoch)
 
     def _lost_microbatches(self, epoch: int) -> bool:
-        """Stage 0: the epoch's global batch is admitted, but its backwards stopped arriving --admission-timeout ago
-        (a trainer died with microbatches in flight). Ending the epoch without them lets admission go on."""
+        """Stage 0: whether `epoch`'s global batch is admitted but its Backwards stopped arriving --admission-timeout
+        ago (rules.py `lost_microbatches`). Keeps the time since the samples done last changed."""
         if self.stage != 0:
             return False
         done = self.worker.samples_accumulated + self.peers.samples_in(epoch)
-        admitted = self.admission.total(epoch)
         now = time.monotonic()
-        if admitted < self.cfg.samples_per_step or done != self._stalled_at[1] or epoch != self._stalled_at[0]:
+        if (epoch, done) != self._stalled_at[:2]:
             self._stalled_at = (epoch, done, now)
-            return False
-        if now - self._stalled_at[2] < self.cfg.admission_timeout:
-            return False
-        logger.warning(
-            "stage 0 epoch %d: %d of its %d admitted samples came back in %.0fs; ending the epoch without the rest",
-            epoch,
-            done,
-            admitted,
-            self.cfg.admission_timeout,
+        admitted = self.admission.total(epoch)
+        if admitted < self.cfg.samples_per_step:
+            self._stalled_at = (epoch, done, now)
+        stalled_for = now - self._stalled_at[2]
+        return rules.lost_microbatches(
+            self.stage, admitted, self.cfg.samples_per_step, stalled_for, self.cfg.admission_timeout
         )
-        return True
 
     async def _end_epoch_once(self, epoch: int, skip_to: int | None = None) -> None:
         """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe)."""
@@ -895,11 +872,12 @@ class StageCollaboration:
 
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
-        distrusted = self.peers.lately_refused(self.epoch)
-        epochs = {p: e for p, e in self.peers.epochs_of().items() if p not in distrusted}
+        view = self.view()
+        distrusted = rules.lately_refused(view)
+        epochs = {p: e for p, e in rules.shown(view).items() if p not in distrusted}
         # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
         averaged = self.peers.averaged_since(self._diverged_at)
-        source, self.diverged = catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)
+        source, self.diverged = rules.catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)
         if source is None:
             return
         logger.info(

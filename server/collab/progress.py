@@ -20,13 +20,13 @@ import grpc
 
 from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
+from server.collab import rules
 from server.collab.tickets import ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
 from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
-REFUSED_EPOCHS = 20  # how long a peer whose state we refused is no source of ours (StagePeers.distrusted)
 UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
 
 
@@ -60,7 +60,7 @@ class StagePeers:
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
         self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
         # the latest epoch stage 0's admissions show a peer can be at (None: any): a peer that reports more is left
-        # out of what the queries below say of the peers' epochs (epoch.py `_shown_limit`; any thread)
+        # out of what the queries below say of the peers' epochs (rules.py `shown_limit`; any thread)
         self.shown_limit: Callable[[], int | None] = lambda: None
 
     @staticmethod
@@ -311,20 +311,6 @@ class StagePeers:
         view, limit = dict(self.view), self.shown_limit()
         return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
 
-    def lately_refused(self, epoch: int, shown: dict[str, tuple[int, int]] | None = None) -> set[str]:
-        """`distrusted` as the stage's epochs go on: at our `epoch`, or the furthest a peer reports (as far as stage
-        0's admissions show it) if later. By ours only, a peer whose epoch stayed open (no samples to step alone on)
-        distrusted the peer it refused, its one way on, for good."""
-        shown = self._shown() if shown is None else shown
-        return self.distrusted(max([epoch, *(e for e, _ in shown.values())]))
-
-    def furthest_trusted(self, epoch: int) -> int | None:
-        """The latest epoch a peer reports, leaving out those `lately_refused`: a refused peer alone ahead (found out
-        on a catch-up) is nobody to catch up from; counted, it held us behind it for good."""
-        shown = self._shown()
-        refused = self.lately_refused(epoch, shown)
-        return max((e for p, (e, _) in shown.items() if p not in refused), default=None)
-
     def samples_in(self, epoch: int) -> int:
         """Samples the other peers reported for `epoch`, as they stand in their latest messages."""
         return sum(s for e, s in dict(self.view).values() if e == epoch)
@@ -407,11 +393,12 @@ class StagePeers:
         self._refused[peer_id] = max(epoch, self._refused.get(peer_id, epoch))
 
     def distrusted(self, epoch: int) -> set[str]:
-        """Peers whose state we refused within REFUSED_EPOCHS epochs before `epoch`: no state we copy, catch up from
-        or adopt the lineage of. Not for ever: honest peers whose hardware rounds differently (a CPU peer and a GPU
-        peer) may refuse each other's copies; each then steps alone, and the lineage rule makes the stage one model
-        again once the refusal lapses. A liar refused again costs its stage one more copy every REFUSED_EPOCHS."""
-        return {p for p, e in dict(self._refused).items() if epoch - e < REFUSED_EPOCHS}
+        """Peers whose state we refused lately, at `epoch` (rules.py `distrusted`)."""
+        return rules.distrusted(dict(self._refused), epoch)
+
+    def refused_at(self) -> dict[str, int]:
+        """Any thread: peer id -> the latest epoch we refused its state."""
+        return dict(self._refused)
 
     def lineage_reference(self, epoch: int, lineage: str, moved_on: bool = False) -> str | None:
         """The peer whose state we copy once it has stepped past `epoch`, because the peers at `epoch` hold more than one

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Executor
 
 import torch
@@ -57,29 +57,6 @@ def vouched(epoch: int, digest: str, told: Iterable[tuple[int, str]]) -> bool:
     others = collections.Counter(d for e, d in told if e == epoch and d != digest)
     held = 1 + sum(1 for e, d in told if e == epoch and d == digest)
     return not any(n >= 2 and n > held for n in others.values())
-
-
-def catch_up_source(
-    my_epoch: int, epochs: dict[str, int], me: str, diverged: bool, averaged: Collection[str] = ()
-) -> tuple[str | None, bool]:
-    """Pure. Whom to copy: the peer furthest ahead (smallest id among equals) when one is ahead of us; when we
-    `diverged` (stepped alone after our round failed), a peer at our epoch whose round of that epoch ended
-    (`averaged`: it holds the stage's model), the smallest; if none did, the smallest peer id among those at our
-    epoch, unless that is us. Returns (source or None, whether we are still diverged): None and still diverged while
-    a peer is behind us, since it may step alone too and the reference is decided once it has."""
-    ahead = max([my_epoch, *epochs.values()])
-    if ahead > my_epoch:
-        return min(p for p, e in epochs.items() if e == ahead), diverged
-    if not diverged:
-        return None, False
-    if held := sorted(p for p in averaged if epochs.get(p) == my_epoch and p != me):
-        return held[0], True
-    if any(e < my_epoch for e in epochs.values()):
-        return None, True
-    same = sorted(p for p, e in epochs.items() if e == my_epoch)
-    if not same or me < same[0]:
-        return None, False  # we are the reference: the others copy us
-    return same[0], True
 
 
 class Recovery:

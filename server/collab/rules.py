@@ -1,0 +1,198 @@
+"""The epoch rules of a stage peer, as pure functions of a frozen view: when it ends its epoch, skips epochs, refuses
+work as behind, or copies a peer's state.
+
+Like `swarm/rebalance.py` `decide`, nothing here reads a clock, a socket or a lock: the collaboration (epoch.py)
+takes an `EpochView` of what it knows and acts on the answer, and the tests call these functions case by case.
+
+The facts a view holds, and what each proves:
+- our epoch E and the samples we accumulated towards it (`held`);
+- the samples of E's global batch our stage peers *proved* (stage 0's signed admissions of their microbatches,
+  each microbatch once: served.py `distinct`): their counts alone are their word;
+- `stage0_at`, the latest epoch of stage 0 a verified admission shows: stage 0 at epoch A has finished every epoch
+  before A, so every microbatch of those batches has passed every later stage;
+- the epochs our stage peers report, and which of them we refused lately (a state we would not copy).
+
+Invariants:
+- A stage peer's word alone (its `end_epoch`, its report of a later epoch) ends none of our epochs (`may_end`),
+  except where we trust it (`trusting`: stage 0, and the epoch we joined the stage in).
+- A peer is believed at most as far as stage 0's admissions show it can be (`shown_limit`): a liar's far epoch
+  makes us copy nothing, give up no round, refuse no work.
+- A call whose admission is two or more epochs ahead of us means we missed epochs: we are behind if a peer of ours
+  is ahead to copy from (or, on stage 0, the signer is a peer of ours); with nobody ahead the whole stage is behind
+  stage 0, and we end our epoch and skip the rest (`on_call`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+REFUSED_EPOCHS = 20  # how long a peer whose state we refused is no source of ours (`distrusted`)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochView:
+    """What a stage peer knows when it decides, frozen. Built by the event loop (epoch.py `view`)."""
+
+    stage: int
+    epoch: int
+    quota: int  # --samples-per-step: one global batch
+    lookahead: int  # --lookahead-samples: what stage 0 admits of the next batch early
+    held: int = 0  # samples we accumulated towards `epoch`
+    proven: int = 0  # samples of `epoch`'s global batch our peers proved, each microbatch once
+    stage0_at: int = -1  # the latest epoch of stage 0 a verified admission shows (-1: none seen)
+    joined_at: int | None = None  # the epoch we started serving the stage in (None: not started)
+    ending: int | None = None  # the epoch we last began to end
+    accumulating: bool = True  # our phase: serving and accumulating (not ending, recovering or stopped)
+    diverged: bool = False  # we stepped alone after a failed round: our parameters may differ from the stage's
+    peer_epochs: Mapping[str, int] = field(default_factory=dict)  # the epoch each stage peer last reported
+    refused_at: Mapping[str, int] = field(default_factory=dict)  # peer -> the latest epoch we refused its state
+
+
+class Act(enum.Enum):
+    WAIT = "wait"  # nothing to do yet
+    END = "end"  # end `epoch` now (its round, or a lone step)
+    ANNOUNCE_AND_END = "announce and end"  # tell the stage to end `epoch`, then end it
+    CATCH_UP = "catch up"  # we missed epochs, or diverged: copy a peer's state
+    BEHIND = "behind"  # (a call) refuse it as behind and catch up
+    GO = "go"  # (a call) serve it
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    act: Act
+    epoch: int | None = None  # the epoch to end
+    skip_to: int | None = None  # stage 0 is already there: epochs between are left without a step
+
+
+def done(v: EpochView) -> int:
+    """Samples of our epoch's global batch the stage holds, as far as we can tell: ours and those our peers proved."""
+    return v.held + v.proven
+
+
+def trusting(v: EpochView) -> bool:
+    """Whether a stage peer's word alone ends our epoch. On stage 0: its peers sign the admissions anyway, and end an
+    epoch whose microbatches were lost, which nothing proves. In the epoch we joined the stage in: the proofs of its
+    first samples came before we did (a restarted peer would wait for stage 0 to move on, and with tied embeddings
+    stage 0 waits in the tied round for it)."""
+    return v.stage == 0 or v.joined_at is None or v.epoch <= v.joined_at
+
+
+def may_end(v: EpochView) -> bool:
+    """Whether the stage may have finished our epoch: stage 0 signed an admission of a later epoch, or what the stage
+    holds of it makes the global batch (`trusting` aside)."""
+    return trusting(v) or v.stage0_at > v.epoch or done(v) >= v.quota
+
+
+def shown_limit(v: EpochView) -> int | None:
+    """The latest epoch stage 0's admissions show a stage peer can be at (None: its word goes, `trusting`). A peer at
+    epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and a peer of a later stage may
+    have finished A itself (on its count, before stage 0 did; and the epochs after A that stage 0 admitted early);
+    our own epoch, once proven, and while we end it (its samples have left our count then: an honest peer that
+    finished it must stay in view while our round runs). A peer that reports more is left out of our view rather
+    than taken as far as it can be."""
+    if trusting(v):
+        return None
+    early = v.lookahead // v.quota  # whole epochs admitted early
+    if v.stage0_at > v.epoch:
+        return v.stage0_at + 1 + early
+    proven = (v.ending is not None and v.ending >= v.epoch) or done(v) >= v.quota
+    return v.epoch + 1 + early if proven else v.epoch
+
+
+def shown(v: EpochView) -> dict[str, int]:
+    """The peers' epochs we believe (`shown_limit`)."""
+    limit = shown_limit(v)
+    return {p: e for p, e in v.peer_epochs.items() if limit is None or e <= limit}
+
+
+def distrusted(refused_at: Mapping[str, int], epoch: int) -> set[str]:
+    """Peers whose state we refused within REFUSED_EPOCHS epochs before `epoch`: no state we copy, catch up from or
+    adopt the lineage of. Not for ever: honest peers whose hardware rounds differently (a CPU and a GPU peer) may
+    refuse each other's copies; each then steps alone, and the lineage rule makes the stage one model again once the
+    refusal lapses. A liar refused again costs its stage one more copy every REFUSED_EPOCHS."""
+    return {p for p, e in refused_at.items() if epoch - e < REFUSED_EPOCHS}
+
+
+def lately_refused(v: EpochView) -> set[str]:
+    """`distrusted` as the stage's epochs go on: at our epoch, or at the furthest a peer reports (as far as shown) if
+    later. By ours only, a peer whose epoch stayed open distrusted the peer it refused, its one way on, for good."""
+    return distrusted(v.refused_at, max([v.epoch, *shown(v).values()]))
+
+
+def furthest(v: EpochView) -> int | None:
+    """The latest epoch a peer we believe reports, leaving out those lately refused: a refused peer alone ahead is
+    nobody to catch up from (counted, it held us behind it for good)."""
+    refused = lately_refused(v)
+    return max((e for p, e in shown(v).items() if p not in refused), default=None)
+
+
+def on_poll(v: EpochView, lost: bool = False) -> Decision:
+    """The poller's question, several times a second: must we do something about our epoch? `lost`: stage 0's batch
+    is admitted but its Backwards stopped coming (`lost_microbatches`)."""
+    if not v.accumulating:
+        return Decision(Act.WAIT)
+    ahead = furthest(v)
+    ahead = v.epoch if ahead is None else ahead
+    if ahead >= v.epoch + 2 or v.diverged:
+        return Decision(Act.CATCH_UP)
+    if ahead == v.epoch + 1:  # peers just finished this epoch: join their round (or step alone, then resync)
+        return Decision(Act.END, v.epoch)
+    if done(v) >= v.quota or lost:
+        return Decision(Act.ANNOUNCE_AND_END, v.epoch)
+    return Decision(Act.WAIT)
+
+
+def on_end_message(v: EpochView, epoch: int) -> bool:
+    """A stage peer asks us to end `epoch`: whether we do now."""
+    return epoch == v.epoch and v.accumulating and may_end(v)
+
+
+def on_call(v: EpochView, admitted_at: int, signer_is_peer: bool) -> Decision:
+    """A call admitted by stage 0 at `admitted_at` (verified). `signer_is_peer`: on stage 0, the admission was signed
+    by another peer of ours, which was at `admitted_at` then. Stage 0 had finished every epoch before `admitted_at`,
+    so if we are still in one we end it before the call runs. Two or more epochs behind, we missed epochs if a peer
+    of ours is ahead (copy it: BEHIND); with none ahead the whole stage is behind stage 0 (it ended epochs without
+    us, on its admission timeout), and we end ours and skip the rest, as our peers do on their next call, rather than
+    each wait for another to catch up from."""
+    if admitted_at >= v.epoch + 2 and (signer_is_peer or (furthest(v) or -1) > v.epoch):
+        return Decision(Act.BEHIND)
+    if admitted_at > v.epoch and v.accumulating:
+        return Decision(Act.ANNOUNCE_AND_END, v.epoch, skip_to=admitted_at)
+    return Decision(Act.GO)
+
+
+def behind_for_admission(v: EpochView) -> bool:
+    """Stage 0: whether a peer of ours is two or more epochs on, so that we must catch up before admitting."""
+    return (furthest(v) or v.epoch) >= v.epoch + 2
+
+
+def lost_microbatches(stage: int, admitted: int, quota: int, stalled_for: float, admission_timeout: float) -> bool:
+    """Stage 0: the epoch's global batch is admitted (`admitted` samples of `quota`), but no Backward came for
+    `stalled_for` seconds (a trainer died with microbatches in flight): past `admission_timeout`, the epoch ends
+    without them so that admission goes on."""
+    return stage == 0 and admitted >= quota and stalled_for >= admission_timeout
+
+
+def catch_up_source(
+    my_epoch: int, epochs: Mapping[str, int], me: str, diverged: bool, averaged: Collection[str] = ()
+) -> tuple[str | None, bool]:
+    """Whom to copy: the peer furthest ahead (smallest id among equals) when one is ahead of us; when we `diverged`
+    (stepped alone after our round failed), a peer at our epoch whose round of that epoch ended (`averaged`: it holds
+    the stage's model), the smallest; if none did, the smallest peer id among those at our epoch, unless that is us.
+    Returns (source or None, whether we are still diverged): None and still diverged while a peer is behind us, since
+    it may step alone too and the reference is decided once it has."""
+    ahead = max([my_epoch, *epochs.values()])
+    if ahead > my_epoch:
+        return min(p for p, e in epochs.items() if e == ahead), diverged
+    if not diverged:
+        return None, False
+    if held := sorted(p for p in averaged if epochs.get(p) == my_epoch and p != me):
+        return held[0], True
+    if any(e < my_epoch for e in epochs.values()):
+        return None, True
+    same = sorted(p for p, e in epochs.items() if e == my_epoch)
+    if not same or me < same[0]:
+        return None, False  # we are the reference: the others copy us
+    return same[0], True

@@ -1,0 +1,93 @@
+"""The epoch rules (server/collab/rules.py), case by case: pure functions of a frozen view, no swarm."""
+
+import dataclasses
+
+from server.collab import rules
+from server.collab.rules import REFUSED_EPOCHS, Act, Decision, EpochView
+
+QUOTA = 16
+
+
+def view(**changes) -> EpochView:
+    """A stage-1 peer at epoch 5 that joined at epoch 2, holding nothing yet, no lookahead."""
+    base = EpochView(stage=1, epoch=5, quota=QUOTA, lookahead=0, joined_at=2)
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_peer_trusts_its_stage_peers_word_on_stage_0_and_in_the_epoch_it_joined_in():
+    assert rules.trusting(view(stage=0))
+    assert rules.trusting(view(joined_at=None)), "not started yet"
+    assert rules.trusting(view(joined_at=5)), "the epoch we joined in"
+    assert not rules.trusting(view(joined_at=4))
+
+
+def test_an_epoch_may_end_on_stage_0s_word_or_on_what_the_stage_proves_not_on_a_peers_word():
+    assert not rules.may_end(view(held=8, proven=7))
+    assert rules.may_end(view(held=8, proven=8)), "the global batch, ours and proven"
+    assert rules.may_end(view(stage0_at=6)), "stage 0 admits epoch 6: it finished 5"
+    assert not rules.may_end(view(stage0_at=5))
+    assert rules.may_end(view(stage=0)), "stage 0 trusts its peers"
+
+
+def test_a_peer_is_believed_as_far_as_stage_0s_admissions_show():
+    assert rules.shown_limit(view(stage=0)) is None
+    assert rules.shown_limit(view()) == 5, "nothing proven: not past our own epoch"
+    assert rules.shown_limit(view(held=QUOTA)) == 6, "our epoch proven: a peer may have finished it"
+    assert rules.shown_limit(view(ending=5)) == 6, "while we end it, a peer that finished it stays in view"
+    assert rules.shown_limit(view(stage0_at=9)) == 10, "stage 0 at 9: a later stage may have finished 9 itself"
+    assert rules.shown_limit(view(stage0_at=9, lookahead=2 * QUOTA)) == 12, "and the epochs admitted early"
+    assert rules.shown(view(peer_epochs={"a": 5, "liar": 900})) == {"a": 5}
+
+
+def test_a_liars_far_epoch_makes_a_peer_copy_nothing():
+    liar = view(peer_epochs={"liar": 900})
+    assert rules.furthest(liar) is None
+    assert rules.on_poll(liar) == Decision(Act.WAIT)
+    assert not rules.behind_for_admission(liar)
+
+
+def test_a_peer_whose_state_we_refused_is_nobody_ahead_of_us_until_the_refusal_lapses():
+    """A refused peer alone at the furthest epoch counted as ahead: the peer kept trying to catch up from nobody and
+    refused work as behind. The distrust lapses as the stage's epochs go on, though ours stays where it is."""
+    v = view(stage=0, peer_epochs={"a": 9, "b": 5})
+    assert rules.furthest(v) == 9
+    refused = dataclasses.replace(v, refused_at={"a": 5})
+    assert rules.furthest(refused) == 5 and rules.lately_refused(refused) == {"a"}
+    lapsed = dataclasses.replace(refused, peer_epochs={"a": 9, "b": 5 + REFUSED_EPOCHS})
+    assert rules.furthest(lapsed) == 5 + REFUSED_EPOCHS and not rules.lately_refused(lapsed)
+
+
+def test_the_poller_catches_up_joins_a_round_ends_a_full_batch_or_waits():
+    assert rules.on_poll(view(accumulating=False, held=QUOTA)) == Decision(Act.WAIT), "ending or recovering"
+    assert rules.on_poll(view(stage=0, peer_epochs={"a": 7})) == Decision(Act.CATCH_UP), "two epochs on: copy"
+    assert rules.on_poll(view(diverged=True)) == Decision(Act.CATCH_UP)
+    assert rules.on_poll(view(stage=0, peer_epochs={"a": 6})) == Decision(Act.END, 5), "peers finished it"
+    assert rules.on_poll(view(held=10, proven=6)) == Decision(Act.ANNOUNCE_AND_END, 5)
+    assert rules.on_poll(view(stage=0), lost=True) == Decision(Act.ANNOUNCE_AND_END, 5)
+    assert rules.on_poll(view(held=10, proven=5)) == Decision(Act.WAIT)
+
+
+def test_a_peer_ends_its_epoch_when_asked_only_if_it_may():
+    assert rules.on_end_message(view(stage0_at=6), 5)
+    assert not rules.on_end_message(view(stage0_at=6), 4), "another epoch"
+    assert not rules.on_end_message(view(stage0_at=6, accumulating=False), 5)
+    assert not rules.on_end_message(view(), 5), "a peer's word alone"
+
+
+def test_a_call_of_a_later_epoch_ends_ours_skips_or_finds_us_behind():
+    assert rules.on_call(view(), 5, False) == Decision(Act.GO)
+    assert rules.on_call(view(), 3, False) == Decision(Act.GO), "a late microbatch joins our epoch"
+    assert rules.on_call(view(), 6, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=6)
+    assert rules.on_call(view(accumulating=False), 6, False) == Decision(Act.GO), "already ending"
+    # two epochs on: behind if a peer of ours is there to copy, else the whole stage is behind stage 0 and skips
+    assert rules.on_call(view(), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8)
+    assert rules.on_call(view(stage0_at=8, peer_epochs={"a": 8}), 8, False) == Decision(Act.BEHIND)
+    assert rules.on_call(view(stage=0), 8, True) == Decision(Act.BEHIND), "stage 0: the signer is a peer, ahead"
+    assert rules.on_call(view(stage=0), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8), "our own"
+
+
+def test_stage_0_ends_an_epoch_whose_backwards_stopped_coming_after_the_admission_timeout():
+    assert rules.lost_microbatches(0, QUOTA, QUOTA, 30.0, 30.0)
+    assert not rules.lost_microbatches(0, QUOTA, QUOTA, 29.0, 30.0)
+    assert not rules.lost_microbatches(0, QUOTA - 1, QUOTA, 60.0, 30.0), "not admitted in full yet"
+    assert not rules.lost_microbatches(1, QUOTA, QUOTA, 60.0, 30.0), "stage 0's rule"
