@@ -1,4 +1,4 @@
-"""One peer of the hole-punching test (tests/test_relay.py), run inside a network namespace until it is killed:
+"""One peer of the hole-punching test (tests/integration/test_relay.py), run inside a network namespace until it is killed:
 
     python -m tests.holepunch_peer relay    HOST DIR   # a relaying DHT node (swarm-dht --public); writes DIR/relay
     python -m tests.holepunch_peer observer HOST DIR   # a DHT node, another public machine of the swarm
@@ -23,7 +23,7 @@ from dht.node import start_dht
 from swarm.protocol import p2p as p2p_transport
 
 CALL_BYTES = 1 << 20
-OBSERVERS = 3  # public DHT nodes besides the relaying one (tests/test_relay.py starts this many)
+OBSERVERS = 3  # public DHT nodes besides the relaying one (tests/integration/test_relay.py starts this many)
 
 
 async def _wait_for(path: Path) -> str:
@@ -101,7 +101,7 @@ async def main(role: str, host: str, directory: Path) -> None:
         await _log_connections(p2p)
     # the product's redial (swarm/protocol/p2p.py `_watch_path`) after 20 s, not 30, and up to 6 times, not 4: a
     # caller whose relayed connection did not punch through dials again until 120 s, within an attempt's 150 s
-    # (tests/test_relay.py ATTEMPT_S). Every 10 s and 4 times, CI's four redials were over 40 s after the first dial
+    # (tests/integration/test_relay.py ATTEMPT_S). Every 10 s and 4 times, CI's four redials were over 40 s after the first dial
     # and all stayed relayed: the home node had not yet learnt its router's address from the observers (the machine
     # was busy), and nothing dialled after that
     p2p_transport.REDIAL_S = 20.0

@@ -1,5 +1,5 @@
 """A process that says it is waiting and then waits for ever, with swarm/stacks.py's SIGUSR1 handler: a stand-in for
-a stuck peer (tests/test_stacks.py)."""
+a stuck peer (tests/integration/test_stacks.py)."""
 
 import asyncio
 import logging

@@ -3,7 +3,7 @@
 Every script listed in pyproject.toml's [project.scripts] has a module-level `build_parser()`; its page lists every
 flag of that parser with its default, choices, help and config-file key (swarm/cli.py: a TOML key is the flag's name
 without its dashes). `--check` writes nothing: it exits 1 and names the pages that differ from what the parsers give
-(the test suite runs the same comparison: tests/test_docs.py).
+(the test suite runs the same comparison: tests/unit/test_docs.py).
 """
 
 from __future__ import annotations

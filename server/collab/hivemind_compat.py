@@ -148,7 +148,7 @@ class TorchBlockwiseQuantization(BlockwiseQuantization):
 def _encode_non_finite(x: torch.Tensor, blocksize: int, codes: torch.Tensor, absmax: torch.Tensor) -> None:
     """`encode_cpu` of a part holding NaN or infinite values, as bitsandbytes encodes it: its scales ignore NaN, so an
     all-NaN block (the 0/0 of a reducer whose senders all weigh nothing: routine) encodes as zeros, and peers step on
-    them as they always did (tests/test_tickets.py); a block holding an infinite value keeps its infinite scale.
+    them as they always did (tests/integration/test_tickets.py); a block holding an infinite value keeps its infinite scale.
     Falling back to bitsandbytes instead imported it inside the averager's round (a round took 2.5-3.1 s, not 1.1)."""
     y = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
     if encode_cpu(y, blocksize, codes, absmax):

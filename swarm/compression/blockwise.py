@@ -24,7 +24,7 @@ from swarm.protocol import wire_pb2 as pb
 
 # bitsandbytes' `create_dynamic_map()` (signed, 8 bits), float32 little-endian, as stored here: importing bitsandbytes
 # costs a process ~3.5 s of CPU (it loads torch's compiler stack), which every trainer and CPU server paid at start
-# only to read these 1024 bytes (tests/test_compression.py checks them against bitsandbytes')
+# only to read these 1024 bytes (tests/unit/test_compression.py checks them against bitsandbytes')
 _DYNAMIC_MAP_HEX = (
     "33337ebf9a997abf000077bf666673bfcdcc6fbf33336cbf9a9968bf000065bf666661bfcdcc5dbf33335abf9a9956bf000053bf66664fbf"
     "cdcc4bbf333348bf9a9944bf000041bf66663dbfcdcc39bf343336bf9a9932bf00002fbf66662bbfcdcc27bf343324bf9a9920bf00001dbf"
@@ -111,7 +111,7 @@ def decode_cpu(
     codes: torch.Tensor, absmax: torch.Tensor, blocksize: int, code: torch.Tensor | None = None
 ) -> torch.Tensor:
     """float32 values of uint8 `codes` (flat, contiguous, CPU) with float32 block scales `absmax`: each code's map
-    value times its block's scale, the product bitsandbytes' CPU decoder computes (bitwise: tests/test_compression.py).
+    value times its block's scale, the product bitsandbytes' CPU decoder computes (bitwise: tests/unit/test_compression.py).
     `code`: the map, if not the dynamic map. The dynamic map's codes are looked up two at a time (numpy's take with
     16-bit indices needs no conversion pass). Slower than bitsandbytes' C decoder on large tensors: 4.1 ms against
     1.7 per 8 MiB in `bench_wire --quick` on the 2-core VM (one code at a time was slower still); alike at 0.5 MB."""

@@ -5,7 +5,7 @@ A value is stored as a sign bit and an (N-1)-bit magnitude index, relative to it
 U_k = 2**k / (m * 2**(m-1)), so each cluster's steps are twice the previous one's (U_{k+1} = 2 U_k) and the levels,
 zero and every interval boundary, number 2**m. For N = 4: 0, 1/12, 2/12, 3/12, 4/12, 6/12, 8/12, 1. Activations and
 their gradients are roughly Gaussian within a block, so this keeps a lower mean squared error than N-bit linear steps
-(tests/test_pipeline_codecs.py measures both). Each value rounds to its nearest level.
+(tests/unit/test_pipeline_codecs.py measures both). Each value rounds to its nearest level.
 
 Payload: the codes packed N bits each (8 values in N bytes, little-endian), then one float32 absmax per block.
 Torch ops only, on the tensor's device.

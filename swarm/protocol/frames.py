@@ -45,7 +45,7 @@ def encode_frame(
     """The bytes of `pb.Frame(meta=meta, tensor=tensor, data=data).SerializeToString()`, with `data` copied once.
 
     Protobuf would copy the payload into the message and again out of it. Fields go in field-number order, as
-    protobuf writes them, so the output is byte-identical to protobuf's (tests/test_wire.py checks)."""
+    protobuf writes them, so the output is byte-identical to protobuf's (tests/unit/test_wire.py checks)."""
     head = b"" if meta is None and tensor is None else pb.Frame(meta=meta, tensor=tensor).SerializeToString()
     if not len(data):
         return head

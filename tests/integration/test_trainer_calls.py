@@ -1,0 +1,63 @@
+"""How a trainer's stage call treats a peer that is catching up with its stage (server/collab/epoch.py `Behind`):
+not a failure of the peer. The stage's peers are tried again until --request-timeout, without a ban or a spent
+attempt; before, a stage whose only live peer was catching up lost the microbatch after 8 quick tries (seen in the
+kill/freeze soak). Unit level: the trainer's own retry loop, with a client that answers as such a server does."""
+
+import asyncio
+import time
+import types
+
+import grpc
+import pytest
+import torch
+
+from dht.records import ServerRecord
+from tests.peers import MODEL
+from trainer.client import StageReply
+from trainer.config import TrainerConfig
+from trainer.trainer import MicrobatchLost, Trainer
+
+pytestmark = pytest.mark.timeout(60)
+BEHIND = "behind: stage 1: this peer is at epoch 7, stage 0 at 9: catching up"
+
+
+def trainer_with_one_peer(refusals: int, request_timeout: float) -> tuple[Trainer, list[float]]:
+    """A trainer whose stage 1 has one peer, which answers UNAVAILABLE "behind: ..." `refusals` times, then serves;
+    the returned list gets the time of each call."""
+    cfg = TrainerConfig(request_timeout=request_timeout, min_request_timeout=min(5.0, request_timeout))
+    trainer = Trainer(cfg, MODEL, types.SimpleNamespace(p2p=None), iter(()))
+    trainer.records[1] = {"peer-a": ServerRecord("127.0.0.1", 1, stage=1)}
+    trainer.routers[1].update_peers({"peer-a": time.time() + 3600})
+    calls: list[float] = []
+
+    async def call(*args, **kwargs) -> StageReply:
+        calls.append(time.monotonic())
+        if len(calls) <= refusals:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), BEHIND)
+        return StageReply(encoded=None, loss=None, param_version=3)
+
+    trainer.client.call = call  # type: ignore[method-assign]
+    return trainer, calls
+
+
+async def test_a_peer_catching_up_is_asked_again_without_a_ban_or_a_spent_attempt():
+    trainer, calls = trainer_with_one_peer(refusals=12, request_timeout=30)  # more refusals than max_retries (8)
+    try:
+        reply = await trainer._call(1, "Backward", "mb-1", {"inputs": torch.zeros(2, 4)}, None)
+        assert reply.param_version == 3 and len(calls) == 13
+        assert trainer.retries == 0 and trainer.routers[1].available == ["peer-a"]
+        assert calls[-1] - calls[0] > 11 * 0.4, "a peer catching up must not be asked again at once"
+    finally:
+        await trainer.client.close()
+
+
+async def test_a_peer_that_never_catches_up_loses_the_microbatch_at_the_request_timeout():
+    trainer, calls = trainer_with_one_peer(refusals=10**6, request_timeout=2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MicrobatchLost, match="refused Backward"):
+            await trainer._call(1, "Backward", "mb-1", {"inputs": torch.zeros(2, 4)}, None)
+        assert 2 <= time.monotonic() - started < 4 and len(calls) <= 6
+    finally:
+        await trainer.client.close()
+        await asyncio.sleep(0)
