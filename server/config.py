@@ -145,8 +145,9 @@ class GuardConfig:
     grad_outlier_factor: float = field(
         default=1000.0,
         metadata={
-            "help": "refuse a microbatch whose parameter-gradient norm exceeds N x the median of the last 64 (after "
-            "16; 0: refuse only non-finite gradients). Honest microbatches reached 55x early in training"
+            "help": "refuse a microbatch whose parameter-gradient norm exceeds N x the stage's scale: the median of "
+            "its callers' median norms, each caller one vote, zero norms not counted, at least 0.01 (after 16 norms; 0: "
+            "refuse only non-finite gradients). Honest microbatches reached 55x early in training"
         },
     )
 

@@ -595,7 +595,9 @@ class StageService:
             global_batch = meta.global_batch if meta.HasField("global_batch") else None
             admission = admission_of(meta, int(inputs.shape[0])) if global_batch is not None else None
             if schema.is_last:  # its Backward runs the forward itself: no earlier forward to match
-                result = self.worker.backward(inputs, labels=other, global_batch=global_batch, admission=admission)
+                result = self.worker.backward(
+                    inputs, labels=other, global_batch=global_batch, admission=admission, caller=call.caller
+                )
                 assert result.loss is not None  # the last stage computes it
                 reply_meta.loss, reply_meta.has_loss = result.loss, True
                 self.losses.append(result.loss)
@@ -607,6 +609,7 @@ class StageService:
                     forward_version=version,
                     global_batch=global_batch,
                     admission=admission,
+                    caller=call.caller,
                 )
             tensors = []
             if (

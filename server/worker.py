@@ -250,12 +250,14 @@ class StageWorker:
         forward_version: int | None = None,
         global_batch: int | None = None,
         admission: object | None = None,
+        caller: str = "",
     ) -> BackwardResult:
         """Compute thread only. Adds this microbatch's gradients to the epoch's, or to the next epoch's if it belongs
         to a later `global_batch` (admitted early). A microbatch of an earlier global batch (late: the epoch ended
         without it) joins the current epoch's gradients without counting towards its end. `forward_version`: the
         param_version that served this microbatch's forward; the recomputed forward uses those parameters if they
-        are stashed. `admission`: stage 0's of this microbatch, kept with the count it goes to (`served`)."""
+        are stashed. `admission`: stage 0's of this microbatch, kept with the count it goes to (`served`). `caller`: who
+        sent it (the gradient guard keeps each caller's norms apart)."""
         n = inputs.shape[0]
         early = global_batch is not None and global_batch > self.epoch
         late = global_batch is not None and global_batch < self.epoch
@@ -268,7 +270,12 @@ class StageWorker:
                 self.backwards_at_stashed_version += 1
         with self._timed("backward", n), self._parameters(stashed), self._next_epoch_gradients(early):
             result = stage_backward(
-                self.stage, inputs, grad_outputs=grad_outputs, labels=labels, grad_weight=n, accept=self._accept
+                self.stage,
+                inputs,
+                grad_outputs=grad_outputs,
+                labels=labels,
+                grad_weight=n,
+                accept=functools.partial(self._accept, caller=caller),
             )
         self.samples_processed += n
         if early:
@@ -282,7 +289,9 @@ class StageWorker:
         self.microbatches_processed += 1
         return result
 
-    def _accept(self, param_grads: list[torch.Tensor | None], grad_inputs: torch.Tensor | None) -> None:
+    def _accept(
+        self, param_grads: list[torch.Tensor | None], grad_inputs: torch.Tensor | None, caller: str = ""
+    ) -> None:
         """Compute thread. Raises GradientRejected for a microbatch whose gradients must not be accumulated."""
         if grad_inputs is not None:
             try:
@@ -290,7 +299,7 @@ class StageWorker:
             except WireError as e:
                 self.guard.rejected += 1
                 raise GradientRejected(f"{e}; nothing accumulated") from e
-        self.guard.check(param_grads)
+        self.guard.check(param_grads, caller)
 
     @contextlib.contextmanager
     def _next_epoch_gradients(self, active: bool) -> Iterator[None]:

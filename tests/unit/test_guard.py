@@ -271,3 +271,40 @@ def test_read_call_gives_back_what_it_took_when_a_stream_fails():
         asyncio.run(read_call(stream(chunks), limits, ByteBudget(limits.frame_bytes + 4096)))
     call = asyncio.run(read_call(stream(chunks), limits, budget))
     assert call.reserved == budget.used == len(encoded.payload)
+
+
+def test_zero_gradients_are_no_evidence_of_scale():
+    """A caller that sends Backwards whose gradients are zero drove the window's median to 0, and a limit of 0
+    refused every honest microbatch for the rest of the run (`exceeds 0 (1000 x the median of the last 19)`)."""
+    guard = GradientGuard(factor=1000, warmup=4, window=16)
+    honest = [torch.full((4,), 3.46)]  # norm 6.92
+    for _ in range(4):
+        guard.check(honest, caller="ipv4:10.0.0.1")
+    for _ in range(100):
+        guard.check([torch.zeros(4)], caller="ipv4:10.0.0.66")
+    assert guard.check(honest, caller="ipv4:10.0.0.1") == pytest.approx(6.92)
+    assert guard.limit() == pytest.approx(1000 * 6.92)
+
+
+def test_a_caller_that_is_most_of_the_traffic_moves_the_limit_no_further_than_any_other():
+    """Tiny gradients from one caller, many times more of them than honest ones: the limit stays where the honest
+    callers put it (a caller's median is one vote)."""
+    guard = GradientGuard(factor=1000, warmup=4, window=16)
+    for i in range(8):
+        guard.check([torch.full((4,), 1.0 + i / 8)], caller=f"p2p:honest{i % 2}")
+    for _ in range(500):
+        guard.check([torch.full((4,), 1e-7)], caller="p2p:hostile")
+    assert guard.limit() > 1000, guard.limit()  # the median of 3 votes: two honest ones (~2-3) against one
+    guard.check([torch.full((4,), 5.0)], caller="p2p:honest0")  # norm 10: accepted
+    with pytest.raises(GradientRejected):  # and the guard still refuses what no honest caller shows
+        guard.check([torch.full((4,), 1e5)], caller="p2p:hostile")
+
+
+def test_the_limit_never_falls_below_its_floor():
+    """A majority of callers sending tiny gradients lowers the limit to factor x the floor, no further."""
+    guard = GradientGuard(factor=1000, warmup=4, window=16, floor=1e-2)
+    for caller in ("a", "b", "c"):
+        for _ in range(4):
+            guard.check([torch.full((4,), 1e-9)], caller=caller)
+    assert guard.limit() == pytest.approx(10.0)
+    assert guard.check([torch.full((4,), 3.46)], caller="honest") == pytest.approx(6.92)
