@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,7 @@ from swarm.protocol.frames import (
 from swarm.protocol.p2p import ADDRESS_PREFIX as P2P_ADDRESS
 from swarm.protocol.rpc import CHUNK_BYTES, PROTOCOL_VERSION, stage_handler
 from swarm.protocol.tensors import FP16_MAX, WireError, WireStats, check_values, decode_checked, encode_tensor
+from swarm.protocol.tensors import fingerprint as tensor_fingerprint
 from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
@@ -111,48 +113,71 @@ async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 class ReplyCache:
     """The last Backward replies, by the admission they used (event loop). A Backward counts once per server
     (tickets.py); a trainer whose reply was lost (its deadline passed while the server still computed) asks the same
-    server again, and gets the same reply instead of a refusal, or waits for it while the first attempt computes.
-    Bounded in replies and bytes; the replies being computed are bounded by the calls a server holds."""
+    server again, and gets the same reply instead of a refusal, or waits for it while the first attempt computes. A
+    reply is handed only to the microbatch it was computed for: each is kept with the fingerprint of its request
+    (swarm.protocol.tensors `fingerprint`), and a call under the same admission with other tensors (an id collision,
+    or an admission copied by someone who saw it) is refused (Duplicate). Bounded in replies and bytes; the replies
+    being computed are bounded by the calls a server holds."""
 
     def __init__(self, max_bytes: int, max_replies: int = 256):
         self.max_bytes, self.max_replies, self.bytes = max_bytes, max_replies, 0
-        self._replies: collections.OrderedDict[tuple, list[bytes]] = collections.OrderedDict()
-        self._computing: dict[tuple, asyncio.Future[list[bytes] | None]] = {}
+        self._replies: collections.OrderedDict[tuple, tuple[bytes, list[bytes]]] = collections.OrderedDict()
+        self._computing: dict[tuple, tuple[bytes, asyncio.Future[list[bytes] | None]]] = {}
 
-    async def recall(self, key: tuple) -> list[bytes] | None:
+    async def recall(self, key: tuple, fingerprint: bytes) -> list[bytes] | None:
         """The reply of the Backward that spent `key` here: kept, or awaited while it computes. None if none is kept
         (forgotten, or computed by an earlier run of this server); raises Uncounted if that Backward failed before
-        it counted (its admission is free again)."""
+        it counted (its admission is free again), Duplicate if it sent other tensors than `fingerprint` says."""
         if (computing := self._computing.get(key)) is not None:
-            if (frames := await asyncio.shield(computing)) is None:
+            _same(computing[0], fingerprint)
+            if (frames := await asyncio.shield(computing[1])) is None:
                 raise Uncounted
             return frames
-        return self._replies.get(key)
+        if (kept := self._replies.get(key)) is None:
+            return None
+        _same(kept[0], fingerprint)
+        return kept[1]
 
-    def computing(self, key: tuple) -> None:
-        """A Backward spent `key` here (it may still wait for its epoch, or for the compute thread); `done` must
-        follow, whatever happens."""
-        self._computing[key] = asyncio.get_running_loop().create_future()
+    def computing(self, key: tuple, fingerprint: bytes) -> None:
+        """A Backward of these tensors spent `key` here (it may still wait for its epoch, or for the compute thread);
+        `done` must follow, whatever happens."""
+        self._computing[key] = fingerprint, asyncio.get_running_loop().create_future()
 
     def is_computing(self, key: tuple) -> bool:
         return key in self._computing
 
     def done(self, key: tuple, frames: list[bytes] | None) -> None:
         """The Backward that spent `key` replied `frames`, or failed before it counted (None)."""
+        if (computing := self._computing.pop(key, None)) is None:
+            return
+        fingerprint, future = computing
         if frames is not None:
-            self.put(key, frames)
-        if (computing := self._computing.pop(key, None)) is not None and not computing.done():
-            computing.set_result(frames)
+            self.put(key, fingerprint, frames)
+        if not future.done():
+            future.set_result(frames)
 
-    def put(self, key: tuple, frames: list[bytes]) -> None:
+    def put(self, key: tuple, fingerprint: bytes, frames: list[bytes]) -> None:
         size = sum(map(len, frames))
         if size > self.max_bytes:
             return
-        self._replies[key] = frames
+        self._replies[key] = fingerprint, frames
         self.bytes += size
         while self.bytes > self.max_bytes or len(self._replies) > self.max_replies:
-            _, dropped = self._replies.popitem(last=False)
+            _, (_, dropped) = self._replies.popitem(last=False)
             self.bytes -= sum(map(len, dropped))
+
+
+class Duplicate(TicketRefused):
+    """A Backward under an admission spent here by a call that sent other tensors: two microbatches under one id, or
+    one whose admission someone else used first. PERMISSION_DENIED, nothing computed; the trainer retries elsewhere."""
+
+
+def _same(kept: bytes, fingerprint: bytes) -> None:
+    if kept != fingerprint:
+        raise Duplicate(
+            "admission: spent here by another microbatch with this id and admission (its tensors differ); nothing "
+            "computed, ask another peer"
+        )
 
 
 class Uncounted(Exception):
@@ -216,6 +241,7 @@ class StageService:
         # errors and warm starts of the stateful gradient codecs this server encodes with (compute thread)
         self.codec_memory = ErrorMemory()
         self._digesting = asyncio.Lock()  # Info's state digests, one at a time
+        self._fingerprint_key = os.urandom(16)  # which bytes of a request its fingerprint reads (ReplyCache)
 
     @property
     def recent_loss(self) -> float | None:
@@ -474,29 +500,29 @@ class StageService:
         retry whose reply did not reach the caller: it gets that reply (kept, or awaited while the first attempt
         waits for its epoch or computes), or is judged afresh if the first attempt failed before it counted. A
         Backward that spends its admission here is registered as computing from that moment (`_backward` ends it)."""
+        fingerprint = tensor_fingerprint(call.tensors, self._fingerprint_key) if backward else b""
         try:
-            await self._observe_once(collab, call, n, backward, deadline)
+            await self._observe_once(collab, call, n, backward, deadline, fingerprint)
             return None
         except TicketSpent:
             try:
-                if (reply := await self.replies.recall(ticket_key(call.meta))) is None:
+                if (reply := await self.replies.recall(ticket_key(call.meta), fingerprint)) is None:
                     raise
                 return reply
             except Uncounted:
                 pass
-        await self._observe_once(
-            collab, call, n, backward, deadline
-        )  # TicketSpent again if a third attempt took it meanwhile
+        # TicketSpent again if a third attempt took it meanwhile
+        await self._observe_once(collab, call, n, backward, deadline, fingerprint)
         return None
 
     async def _observe_once(
-        self, collab: Collaboration, call: Call, n: int, backward: bool, deadline: float | None
+        self, collab: Collaboration, call: Call, n: int, backward: bool, deadline: float | None, fingerprint: bytes
     ) -> None:
         spent: list[tuple] = []  # the admission's key, once this call spent it
 
         def on_spent() -> None:
             spent.append(ticket_key(call.meta))
-            self.replies.computing(spent[0])
+            self.replies.computing(spent[0], fingerprint)
 
         try:
             spend = on_spent if call.meta.admission_signature else None

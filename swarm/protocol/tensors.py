@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 
@@ -120,6 +122,23 @@ class EncodedTensor:
             return EncodedTensor(header, self.payload)
         return EncodedTensor(header, list(pieces), frames)
 
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to `n` payload bytes from `offset`, read from the pieces without joining them."""
+        pieces = self._pieces
+        if pieces is None:
+            assert self._payload is not None
+            return bytes(memoryview(self._payload)[offset : offset + n])
+        out = bytearray()
+        for piece in pieces:
+            if offset >= len(piece):
+                offset -= len(piece)
+                continue
+            out += memoryview(piece)[offset : offset + n - len(out)]
+            offset = 0
+            if len(out) == n:
+                break
+        return bytes(out)
+
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.header.shape)
@@ -127,6 +146,34 @@ class EncodedTensor:
     @property
     def wire_bytes(self) -> int:
         return self.nbytes + self.header.ByteSize()
+
+
+FINGERPRINT_SAMPLES = 64  # windows of each payload a fingerprint reads, besides both ends
+FINGERPRINT_WINDOW = 64  # bytes in each
+
+
+def fingerprint(tensors: Mapping[str, EncodedTensor], key: bytes) -> bytes:
+    """A digest of what a call sent, cheap at any size (a few KiB read): each tensor's header and size, both ends of
+    its payload and FINGERPRINT_SAMPLES windows at offsets drawn from `key`, a secret of the receiver's, so that a
+    sender cannot tell which bytes count. Two calls whose fingerprints match sent the same tensors but for a change
+    that touches none of those windows, which a sender that knows neither the key nor the offsets makes by chance
+    only (and then spoils only its own reply)."""
+    digest = hashlib.sha256(key)
+    for name in sorted(tensors):
+        enc = tensors[name]
+        digest.update(enc.header.SerializeToString(deterministic=True))
+        digest.update(enc.nbytes.to_bytes(8, "little"))
+        if enc.nbytes == 0:
+            continue
+        offsets = [0, max(enc.nbytes - FINGERPRINT_WINDOW, 0)]
+        draw = hashlib.sha256(key + name.encode() + enc.nbytes.to_bytes(8, "little")).digest()
+        while len(offsets) < 2 + FINGERPRINT_SAMPLES:
+            for i in range(0, len(draw), 8):
+                offsets.append(int.from_bytes(draw[i : i + 8], "little") % enc.nbytes)
+            draw = hashlib.sha256(draw).digest()
+        for offset in offsets[: 2 + FINGERPRINT_SAMPLES]:
+            digest.update(enc.read(offset, FINGERPRINT_WINDOW))
+    return digest.digest()
 
 
 def encode_tensor(name: str, t: torch.Tensor, codec: Codec, ctx: CodecContext | None = None) -> EncodedTensor:

@@ -109,10 +109,11 @@ async def test_only_stage_zeros_signed_admissions_move_a_stage():
             assert (worker.epoch, worker.param_version, worker.samples_processed) == before
 
             # the real admission, relayed as a trainer does, counts; once
-            first_reply = await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket)))
+            replayed = last_stage_backward(meta_of(ticket))
+            first_reply = await raw_call(last.record().address, "Backward", replayed)
             assert worker.samples_processed == before[2] + B
             # the same call again (a trainer whose reply was lost retries): the same reply, counted once
-            again = await raw_call(last.record().address, "Backward", replayed := last_stage_backward(meta_of(ticket)))
+            again = await raw_call(last.record().address, "Backward", replayed)
             assert again == first_reply and worker.samples_processed == before[2] + B
             last.service.replies = ReplyCache(max_bytes=1 << 20)  # the reply forgotten: a replay is refused
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -530,4 +531,31 @@ async def test_a_retry_that_comes_while_the_first_attempt_waits_for_its_epoch_wa
         finally:
             collab._observe = observe
             release.set()
+            await client.close()
+
+
+async def test_a_duplicate_microbatch_id_never_gets_another_microbatchs_reply():
+    """Two Backwards under one admission (one microbatch id) with other tensors: the first is computed, the second is
+    refused with PERMISSION_DENIED ("its tensors differ"), nothing computed; a retry of the first, frame for frame,
+    still gets the first's reply. Before, the second got the first's cached reply: its gradient was never computed
+    and its trainer was told it was."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(last := await start_server(initial_peers, stage=1))
+        client = StageClient(CompressionPolicy(), WireStats(), max_tensor_bytes=1 << 24)
+        worker = last.service.worker
+        try:
+            ticket = await admitted(client, first, "mb-1")
+            original = last_stage_backward(meta_of(ticket, "mb-1"))
+            reply = await raw_call(last.record().address, "Backward", original, timeout=60)
+            done = worker.samples_processed
+            other = last_stage_backward(meta_of(ticket, "mb-1"))  # the same admission, other inputs and labels
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await raw_call(last.record().address, "Backward", other, timeout=60)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "tensors differ" in refused.value.details()
+            assert worker.samples_processed == done
+            assert await raw_call(last.record().address, "Backward", original, timeout=60) == reply
+            assert worker.samples_processed == done
+        finally:
             await client.close()

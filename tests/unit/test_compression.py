@@ -27,6 +27,7 @@ from swarm.protocol.tensors import (
     check_encoded,
     decode_tensor,
     encode_tensor,
+    fingerprint,
     relayed,
 )
 
@@ -408,3 +409,24 @@ def test_a_relayed_tensor_is_the_same_bytes_under_a_new_name():
     assert out.header.name == "inputs" and enc.header.name == "outputs"
     assert out.payload is enc.payload and out.shape == (4, 8)
     assert torch.equal(decode_tensor(out, torch.device("cpu")), decode_tensor(enc, torch.device("cpu")))
+
+
+def test_a_fingerprint_is_of_the_tensors_not_of_how_they_arrived():
+    """The reply cache hands a reply only to the request it was computed for (server/service.py ReplyCache): the
+    fingerprint of one request is the same whatever pieces its payloads came in, and differs for another shape, other
+    bytes at either end, another key, or a change anywhere a sender happens to hit."""
+    x = torch.randn(4, 64, 32)
+    enc = encode_tensor("inputs", x, get_codec("none"))
+    raw = bytes(enc.payload)
+    pieces = EncodedTensor(enc.header, [memoryview(raw[:1000]), bytearray(raw[1000:5000]), memoryview(raw[5000:])])
+    key = b"k" * 16
+    assert fingerprint({"inputs": enc}, key) == fingerprint({"inputs": pieces}, key)
+    assert fingerprint({"inputs": enc}, key) != fingerprint({"inputs": enc}, b"j" * 16)
+    for position in (0, len(raw) - 1):
+        changed = bytearray(raw)
+        changed[position] ^= 1
+        assert fingerprint({"inputs": EncodedTensor(enc.header, changed)}, key) != fingerprint({"inputs": enc}, key)
+    reshaped = encode_tensor("inputs", x.reshape(4, 32, 64), get_codec("none"))
+    assert fingerprint({"inputs": reshaped}, key) != fingerprint({"inputs": enc}, key)
+    other = encode_tensor("inputs", torch.randn(4, 64, 32), get_codec("none"))
+    assert fingerprint({"inputs": other}, key) != fingerprint({"inputs": enc}, key)
