@@ -81,6 +81,9 @@ def state_digest(tensors: Sequence[torch.Tensor], meta: dict | None = None) -> s
     return h.hexdigest()[:32]
 
 
+RECENT_EPOCHS = 8  # epochs whose admissions `recent_admissions` keeps
+
+
 def _plain(value: Any) -> Any:
     """Tuples as lists: a state that travelled through msgpack or JSON has lists where the optimizer has tuples."""
     return list(value) if isinstance(value, tuple) else value
@@ -200,6 +203,7 @@ class StageWorker:
         self.served_late: list = []
         self._served_taken: list = []  # the last `take_gradients`' admissions (its epoch's round may still run)
         self._taken_epoch: int | None = None  # ... and the epoch they were taken for
+        self._recent: deque[list] = deque(maxlen=RECENT_EPOCHS)  # the last epochs' admissions (`recent_admissions`)
         self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
         # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
@@ -356,6 +360,7 @@ class StageWorker:
         self._next_grads = [None] * len(self.params)
         self.samples_accumulated, self.samples_next, self.samples_late = self.samples_next, 0, 0
         self._served_taken, self._taken_epoch = self.served + self.served_late, self.epoch
+        self._recent.append(self._served_taken)
         self.served, self.served_next, self.served_late = self.served_next, [], []
         if end_epoch:
             with self.changing_state():
@@ -367,6 +372,11 @@ class StageWorker:
         yet, the admissions behind them), or (None, []): a delayed peer's round, while it reports the next epoch."""
         taken, taken_epoch = self._served_taken, self._taken_epoch
         return (taken_epoch, list(taken)) if taken_epoch is not None and taken_epoch < epoch else (None, [])
+
+    def recent_admissions(self) -> list:
+        """Any thread: the admissions of the microbatches accumulated here in the last RECENT_EPOCHS epochs and
+        towards the current and next ones (rules.py `frontier` weighs stage 0's signers by them)."""
+        return [a for taken in list(self._recent) for a in taken] + [*self.served, *self.served_late, *self.served_next]
 
     def served_for(self, epoch: int) -> list:
         """Any thread: the admissions behind our weight in `epoch`'s round: those taken with its gradients (a

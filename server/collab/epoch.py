@@ -42,7 +42,7 @@ from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
 from server.collab.rules import Act, EpochView
 from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
-from server.collab.tickets import Ticket, Tickets
+from server.collab.tickets import Ticket, Tickets, by_signer
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
@@ -344,7 +344,7 @@ class StageCollaboration:
             lookahead=self.cfg.lookahead_samples,
             held=self.worker.samples_accumulated,
             proven=self.served.distinct(epoch),
-            stage0_at=self.tickets.stage0_at,
+            stage0_at=self.tickets.stage0_at(by_signer(self.worker.recent_admissions())),
             joined_at=self._joined_at,
             ending=self._ending,
             accumulating=self.phase is Phase.ACCUMULATING,

@@ -8,8 +8,10 @@ The facts a view holds, and what each proves:
 - our epoch E and the samples we accumulated towards it (`held`);
 - the samples of E's global batch our stage peers *proved* (stage 0's signed admissions of their microbatches,
   each microbatch once: served.py `distinct`): their counts alone are their word;
-- `stage0_at`, the latest epoch of stage 0 a verified admission shows: stage 0 at epoch A has finished every epoch
-  before A, so every microbatch of those batches has passed every later stage;
+- `stage0_at`, the latest epoch of stage 0 verified admissions show: stage 0 at epoch A has finished every epoch
+  before A, so every microbatch of those batches has passed every later stage. A signature proves who spoke, not
+  that what it says is possible: any peer that announces itself on stage 0 can sign. So only signers holding at
+  least half of the work this peer did lately move it (`frontier`);
 - the epochs our stage peers report, and which of them we refused lately (a state we would not copy).
 
 Invariants:
@@ -41,7 +43,7 @@ class EpochView:
     lookahead: int  # --lookahead-samples: what stage 0 admits of the next batch early
     held: int = 0  # samples we accumulated towards `epoch`
     proven: int = 0  # samples of `epoch`'s global batch our peers proved, each microbatch once
-    stage0_at: int = -1  # the latest epoch of stage 0 a verified admission shows (-1: none seen)
+    stage0_at: int = -1  # the latest epoch of stage 0 verified admissions show, as far as `frontier` confirms
     joined_at: int | None = None  # the epoch we started serving the stage in (None: not started)
     ending: int | None = None  # the epoch we last began to end
     accumulating: bool = True  # our phase: serving and accumulating (not ending, recovering or stopped)
@@ -156,6 +158,7 @@ def on_call(v: EpochView, admitted_at: int, signer_is_peer: bool) -> Decision:
     of ours is ahead (copy it: BEHIND); with none ahead the whole stage is behind stage 0 (it ended epochs without
     us, on its admission timeout), and we end ours and skip the rest, as our peers do on their next call, rather than
     each wait for another to catch up from."""
+    admitted_at = min(admitted_at, v.stage0_at)  # as far as the frontier confirms (`frontier`)
     if admitted_at >= v.epoch + 2 and (signer_is_peer or (furthest(v) or -1) > v.epoch):
         return Decision(Act.BEHIND)
     if admitted_at > v.epoch and v.accumulating:
@@ -196,3 +199,24 @@ def catch_up_source(
     if not same or me < same[0]:
         return None, False  # we are the reference: the others copy us
     return same[0], True
+
+
+def frontier(at: Mapping[str, int], weight: Mapping[str, int]) -> int:
+    """How far stage 0 is, as far as the work this peer did confirms: the latest epoch that stage-0 signers holding at
+    least half of `weight` have shown (`at`: signer -> the latest `admitted_at` verified from it; `weight`: signer ->
+    samples of its admissions we accumulated lately). So a signer whose admissions are less than half of what we
+    computed lately (a stranger that announced itself on stage 0 and signs what it likes) moves no stage, however far
+    it says stage 0 is, and signers holding half or more are never held back by the rest. With no weight at all (a
+    peer that has computed nothing yet) the latest any signer shows (-1: none): a signed admission is all there is.
+    What it costs an honest stage-0 peer that just joined: its admissions move nothing on their own until it has
+    admitted half of what a later stage computed in its last epochs (worker.py RECENT_EPOCHS); its peers' do meanwhile."""
+    total = sum(w for s, w in weight.items() if s in at and w > 0)
+    if total == 0:
+        return max(at.values(), default=-1)
+    best, held = -1, 0
+    for epoch in sorted({at[s] for s in weight if s in at and weight[s] > 0}, reverse=True):
+        held = sum(w for s, w in weight.items() if s in at and at[s] >= epoch and w > 0)
+        if 2 * held >= total:
+            best = epoch
+            break
+    return best

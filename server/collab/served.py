@@ -98,7 +98,7 @@ class Served:
         # how far stage 0 is, from a message of an epoch outside our window too (a peer far ahead of us: we catch up
         # once stage 0's admissions show it can be there), at one signature check a message
         latest = max([*moved_on, *msg.served, *msg.taken], key=lambda a: a.admitted_at, default=None)
-        if latest is not None and latest.admitted_at > self.tickets.stage0_at and self._verify(latest):
+        if latest is not None and latest.admitted_at > self.tickets.latest_at and self._verify(latest):
             self.tickets.witness(latest)  # unknown still: proves nothing (the sender's next one may)
         if lists and lists[0][0] == msg.epoch:  # what it sent us of `served`, but those we could not check yet: it
             # sends them again until we can (a recheck that `_unchecked` lost is not a proof lost)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from dht.identity import verify
 from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
+from server.collab import rules
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION
 
@@ -74,6 +75,14 @@ def admission_of(meta: pb.CallMeta, samples: int) -> pb.Admission:
     )
 
 
+def by_signer(admissions: Iterable[pb.Admission]) -> dict[str, int]:
+    """Samples of `admissions` by the stage-0 peer that signed each."""
+    work: dict[str, int] = {}
+    for a in admissions:
+        work[a.admitted_by] = work.get(a.admitted_by, 0) + int(a.samples)
+    return work
+
+
 def ticket_bytes(microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> bytes:
     """What stage 0 signs: its admission of one microbatch."""
     return f"swarm-admission/v{PROTOCOL_VERSION}\0{microbatch_id}\0{samples}\0{global_batch}\0{admitted_at}".encode()
@@ -104,11 +113,16 @@ class Tickets:
         # the verified admission signed at the latest epoch of stage 0 (a call's, or a Progress's: served.py): the
         # proof that stage 0 has finished every epoch before its `admitted_at` (epoch.py `_may_end`)
         self.latest: pb.Admission | None = None
+        self.shown: dict[str, int] = {}  # stage-0 signer -> the latest `admitted_at` verified from it
 
     @property
-    def stage0_at(self) -> int:
-        """The latest epoch of stage 0 a verified admission shows (-1: none seen)."""
+    def latest_at(self) -> int:
+        """The latest epoch of stage 0 any verified admission shows (-1: none seen), whoever signed it."""
         return -1 if self.latest is None else int(self.latest.admitted_at)
+
+    def stage0_at(self, work: dict[str, int]) -> int:
+        """The latest epoch of stage 0 that signers holding at least half of `work` show (rules.py `frontier`)."""
+        return rules.frontier(self.shown, work)
 
     def verified(self, admission: pb.Admission) -> bool | None:
         """Whether the stage-0 peer `admission` names signed it, as a call or a Progress carries it (None: a signer
@@ -121,7 +135,10 @@ class Tickets:
 
     def witness(self, admission: pb.Admission) -> None:
         """`admission` verified against a stage-0 key: keep it if it shows stage 0 at a later epoch than we knew."""
-        if admission.admitted_at > self.stage0_at:
+        signer, at = admission.admitted_by, int(admission.admitted_at)
+        if signer in self.signers and at > self.shown.get(signer, -1):
+            self.shown[signer] = at
+        if at > self.latest_at:
             self.latest = admission
 
     def sign(self, microbatch_id: str, samples: int, global_batch: int, admitted_at: int) -> tuple[str, bytes]:
@@ -198,4 +215,5 @@ class Tickets:
         self.signers[peer_id] = public_key
         self.signers.move_to_end(peer_id)
         while len(self.signers) > MAX_SIGNERS:
-            self.signers.popitem(last=False)
+            gone, _ = self.signers.popitem(last=False)
+            self.shown.pop(gone, None)

@@ -75,15 +75,36 @@ def test_a_peer_ends_its_epoch_when_asked_only_if_it_may():
 
 
 def test_a_call_of_a_later_epoch_ends_ours_skips_or_finds_us_behind():
-    assert rules.on_call(view(), 5, False) == Decision(Act.GO)
-    assert rules.on_call(view(), 3, False) == Decision(Act.GO), "a late microbatch joins our epoch"
-    assert rules.on_call(view(), 6, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=6)
-    assert rules.on_call(view(accumulating=False), 6, False) == Decision(Act.GO), "already ending"
+    """`stage0_at` is the frontier once the call's own admission is counted in (epoch.py checks it first)."""
+    assert rules.on_call(view(stage0_at=5), 5, False) == Decision(Act.GO)
+    assert rules.on_call(view(stage0_at=5), 3, False) == Decision(Act.GO), "a late microbatch joins our epoch"
+    assert rules.on_call(view(stage0_at=6), 6, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=6)
+    assert rules.on_call(view(stage0_at=6, accumulating=False), 6, False) == Decision(Act.GO), "already ending"
     # two epochs on: behind if a peer of ours is there to copy, else the whole stage is behind stage 0 and skips
-    assert rules.on_call(view(), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8)
+    assert rules.on_call(view(stage0_at=8), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8)
     assert rules.on_call(view(stage0_at=8, peer_epochs={"a": 8}), 8, False) == Decision(Act.BEHIND)
-    assert rules.on_call(view(stage=0), 8, True) == Decision(Act.BEHIND), "stage 0: the signer is a peer, ahead"
-    assert rules.on_call(view(stage=0), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8), "our own"
+    behind = view(stage=0, stage0_at=8)
+    assert rules.on_call(behind, 8, True) == Decision(Act.BEHIND), "stage 0: the signer is a peer, ahead"
+    assert rules.on_call(behind, 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8), "our own"
+
+
+def test_a_call_moves_a_stage_only_as_far_as_the_frontier_confirms():
+    """A stranger that announced itself on stage 0 signs an admission 1000 epochs on: the stage acts on it as far as
+    the signers holding most of its recent work show stage 0 to be, here epoch 5: it serves the call and stays."""
+    assert rules.on_call(view(stage0_at=5), 1005, False) == Decision(Act.GO)
+    assert rules.on_call(view(stage0_at=6), 1005, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=6)
+
+
+def test_the_frontier_is_what_signers_holding_half_of_the_recent_work_show():
+    assert rules.frontier({}, {}) == -1
+    assert rules.frontier({"a": 3, "stranger": 1003}, {}) == 1003, "no work yet: a signature is all there is"
+    work = {"a": 60, "b": 40, "stranger": 10}
+    assert rules.frontier({"a": 3, "b": 3, "stranger": 1003}, work) == 3, "the stranger moves nothing"
+    assert rules.frontier({"a": 4, "b": 3, "stranger": 1003}, work) == 4, "half or more moves it"
+    assert rules.frontier({"a": 3, "b": 4, "stranger": 1003}, work) == 3, "b holds 40 of 110: it waits for a"
+    assert rules.frontier({"a": 3, "b": 4, "stranger": 1003}, {"a": 50, "b": 50}) == 4, "and a tie moves it"
+    assert rules.frontier({"a": 3, "new": 9}, {"a": 50}) == 3, "a signer with no work here moves nothing"
+    assert rules.frontier({"a": 3, "stranger": 1003}, {"a": 10, "stranger": 90}) == 1003, "most of the work: it moves"
 
 
 def test_stage_0_ends_an_epoch_whose_backwards_stopped_coming_after_the_admission_timeout():

@@ -99,7 +99,7 @@ async def test_the_stage_holds_each_microbatch_of_its_batch_once_and_a_later_adm
     adds nothing to what the stage holds of either."""
     await served.prove(progress("b", 4, admission("old", 4)), 4)
     await served.prove(progress("b", 5, admission("m1", 5), admission("m2", 5)), 5)
-    assert served.distinct(5) == 8 and served.tickets.stage0_at == 5
+    assert served.distinct(5) == 8 and served.tickets.latest_at == 5
     await served.prove(progress("liar", 5, admission("m1", 5), admission("m2", 5), admission("old", 4)), 5)
     assert served.proven("liar", 5) == 12  # its part may weigh copies (the group's bound limits them), but
     assert served.distinct(5) == 8  # the stage holds no more of the batch
@@ -112,7 +112,7 @@ async def test_the_stage_holds_each_microbatch_of_its_batch_once_and_a_later_adm
     shown = progress("b", 5)
     shown.moved_on.CopyFrom(admission("next", 6))
     await served.prove(shown, 5)
-    assert served.tickets.stage0_at == 6
+    assert served.tickets.latest_at == 6
     forged = progress("liar", 5)
     forged.moved_on.CopyFrom(admission("far", 9, signer=Identity()))
     with pytest.raises(ForgedAdmission):
@@ -121,7 +121,7 @@ async def test_the_stage_holds_each_microbatch_of_its_batch_once_and_a_later_adm
     unknown.moved_on.CopyFrom(admission("far", 9))
     unknown.moved_on.admitted_by = Identity().peer_id  # a signer stage 0 does not list: it proves nothing
     await served.prove(unknown, 5)
-    assert served.tickets.stage0_at == 6
+    assert served.tickets.latest_at == 6
     served.forget_before(6)
     assert served.distinct(5) == 0
 
