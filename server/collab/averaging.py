@@ -190,6 +190,7 @@ class Rounds:
         self.fp32_bytes = 0  # what the same rounds of whole fp32 tensors would have sent and received
         self.rounds_ok = self.rounds_failed = 0
         self.last_group_size = 0  # peers in the last round that succeeded, us included
+        self.last_group: frozenset[str] = frozenset()  # ... and their libp2p ids
 
     def _run(
         self,
@@ -283,6 +284,7 @@ class Rounds:
             return group_size is None or len(result) >= group_size
         self.rounds_ok += 1
         self.last_group_size = len(result)
+        self.last_group = frozenset(str(peer) for peer in result)
         logger.info(
             "%s: averaged %d samples with %d peers in %.2fs", label, n_samples, len(result), time.monotonic() - started
         )

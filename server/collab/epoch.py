@@ -134,7 +134,8 @@ class StageCollaboration:
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
         self.tickets = Tickets(sdht, network.peer_timeout)
         self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
-        self.peers.shown_limit = lambda: rules.shown_limit(self.view())  # as far as stage 0's admissions show
+        self.peers.believed = lambda: rules.shown(self.view())  # as far as stage 0's admissions show
+        self.peers.shown_limit = lambda trusted: rules.shown_limit(self.view(), trusted)
         self.averaging.cap_weights(self._proven_weights)
         if self.tied is not None:  # in the tied round too, for our own stage's peers
             self.tied.cap_own_stage(self._proven_weights, float(self._most_samples()))
@@ -319,7 +320,7 @@ class StageCollaboration:
             self.epoch,
             self.phase.value,
         )
-        if msg.end_epoch and rules.on_end_message(self.view(), int(msg.epoch)):
+        if msg.end_epoch and rules.on_end_message(self.view(), int(msg.epoch), msg.peer_id):
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
         self._admission.set()
@@ -351,6 +352,7 @@ class StageCollaboration:
             diverged=self.diverged,
             peer_epochs={p: e for p, (e, _) in dict(self.peers.view).items()},
             refused_at=self.peers.refused_at(),
+            established=frozenset(self.peers.established),
         )
 
     def _proven_weights(self, epoch: int) -> dict[str, float]:
@@ -819,6 +821,8 @@ class StageCollaboration:
             averaged = grads
         if averaged is not None:
             self._averaged = epoch  # an int, written once by this thread: our next Progress carries it
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.peers.establish, self.averaging.gradients.last_group)
         return averaged
 
     def _apply_delayed(self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool) -> None:

@@ -56,12 +56,18 @@ class StagePeers:
         self._channels = Channels(sdht.p2p)
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
         self.pending: dict[str, str] = {}  # peers the DHT lists as joining the stage: peer id -> gRPC address
+        # peers whose work we verified: a round of ours that completed with them, a state of theirs we loaded.
+        # Where a peer's word is trusted (rules.py `trusting`), only theirs is
+        self.established: set[str] = set()
         # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
         self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
         # the latest epoch stage 0's admissions show a peer can be at (None: any): a peer that reports more is left
-        # out of what the queries below say of the peers' epochs (rules.py `shown_limit`; any thread)
-        self.shown_limit: Callable[[], int | None] = lambda: None
+        # out of what the queries below say of the peers' epochs (rules.py `shown`; any thread): the peers we
+        # believe, at the epochs they report; and the latest epoch the word of an established peer (True) or of any
+        # peer (False) may take it to (None: any)
+        self.believed: Callable[[], dict[str, int]] | None = None
+        self.shown_limit: Callable[[bool], int | None] = lambda trusted: None
 
     @staticmethod
     def forged(msg: pb.StageProgress) -> str | None:
@@ -307,9 +313,12 @@ class StagePeers:
     # --- queries (any thread: they copy what the event loop updates) -----------------------------------------------
 
     def _shown(self) -> dict[str, tuple[int, int]]:
-        """`view`, less the peers whose epoch stage 0's admissions do not show possible (`shown_limit`)."""
-        view, limit = dict(self.view), self.shown_limit()
-        return view if limit is None else {p: v for p, v in view.items() if v[0] <= limit}
+        """`view`, less the peers whose epoch stage 0's admissions do not show possible (`believed`)."""
+        view = dict(self.view)
+        if self.believed is None:
+            return view
+        believed = self.believed()
+        return {p: v for p, v in view.items() if believed.get(p) == v[0]}
 
     def samples_in(self, epoch: int) -> int:
         """Samples the other peers reported for `epoch`, as they stand in their latest messages."""
@@ -395,6 +404,10 @@ class StagePeers:
     def distrusted(self, epoch: int) -> set[str]:
         """Peers whose state we refused lately, at `epoch` (rules.py `distrusted`)."""
         return rules.distrusted(dict(self._refused), epoch)
+
+    def establish(self, p2p_ids: frozenset[str]) -> None:
+        """Event loop: the peers of these libp2p ids completed a round with us."""
+        self.established.update(p for p, p2p in dict(self.p2p_ids).items() if p2p in p2p_ids)
 
     def refused_at(self) -> dict[str, int]:
         """Any thread: peer id -> the latest epoch we refused its state."""

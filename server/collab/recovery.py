@@ -168,6 +168,7 @@ class Recovery:
                     # ancestor
                     load = self.load_checked if checked and self.holds_ancestor() and not confirmed else self.load
                     await self.worker.submit(functools.partial(load, meta, tensors, keep_gradients, digest))
+                    self.peers.established.add(source)  # its state checked out: its word counts (rules.py)
                     return True
                 except Unvouched as e:  # the stage's other peers hold another state: ask another peer
                     self.unvouched += 1
@@ -270,7 +271,7 @@ class Recovery:
             raise NotOneStep(f"it claims version {version} at epoch {epoch}")
         steps = version - self.worker.param_version
         beyond = steps > MAX_BOUNDED_STEPS
-        limit = self.peers.shown_limit()
+        limit = self.peers.shown_limit(True)
         if beyond and limit is not None and epoch > limit:  # an epoch claimed to carry it past the check
             raise NotOneStep(f"it is at epoch {epoch}, beyond what stage 0's admissions show ({limit})")
         if self.averager.exact_states and not beyond:

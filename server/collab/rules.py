@@ -50,6 +50,7 @@ class EpochView:
     diverged: bool = False  # we stepped alone after a failed round: our parameters may differ from the stage's
     peer_epochs: Mapping[str, int] = field(default_factory=dict)  # the epoch each stage peer last reported
     refused_at: Mapping[str, int] = field(default_factory=dict)  # peer -> the latest epoch we refused its state
+    established: frozenset[str] = frozenset()  # peers whose work we verified (a round with us, a state we loaded)
 
 
 class Act(enum.Enum):
@@ -73,28 +74,44 @@ def done(v: EpochView) -> int:
     return v.held + v.proven
 
 
+def joining(v: EpochView) -> bool:
+    """Whether we are still in the epoch we joined the stage in (or not serving yet): the proofs of its first
+    samples came before we did (a restarted peer would wait for stage 0 to move on, and with tied embeddings stage 0
+    waits in the tied round for it), and we have no progress of our own to hold a peer's word against."""
+    return v.joined_at is None or v.epoch <= v.joined_at
+
+
+def trusts(v: EpochView, sender: str | None) -> bool:
+    """Whether stage peer `sender`'s word alone (its `end_epoch`, the epoch it reports) ends our epoch. While we
+    join, any listed peer's. On stage 0, after that, an established peer's (one whose work we verified: a round that
+    completed with us, a state of its we loaded): its peers sign the admissions anyway, and end an epoch whose
+    microbatches were lost, which nothing proves; but any peer can announce itself on stage 0, and a stranger's
+    `end_epoch` ended its epochs before their samples came. On later stages, nobody's: stage 0's admissions and the
+    proofs of the stage's samples end epochs there."""
+    if sender is None:
+        return False
+    return joining(v) or (v.stage == 0 and sender in v.established)
+
+
 def trusting(v: EpochView) -> bool:
-    """Whether a stage peer's word alone ends our epoch. On stage 0: its peers sign the admissions anyway, and end an
-    epoch whose microbatches were lost, which nothing proves. In the epoch we joined the stage in: the proofs of its
-    first samples came before we did (a restarted peer would wait for stage 0 to move on, and with tied embeddings
-    stage 0 waits in the tied round for it)."""
-    return v.stage == 0 or v.joined_at is None or v.epoch <= v.joined_at
+    """Whether some peer's word may be trusted now (`trusts`)."""
+    return v.stage == 0 or joining(v)
 
 
-def may_end(v: EpochView) -> bool:
+def may_end(v: EpochView, sender: str | None = None) -> bool:
     """Whether the stage may have finished our epoch: stage 0 signed an admission of a later epoch, or what the stage
-    holds of it makes the global batch (`trusting` aside)."""
-    return trusting(v) or v.stage0_at > v.epoch or done(v) >= v.quota
+    holds of it makes the global batch, or `sender`, whom we trust, says so."""
+    return trusts(v, sender) or v.stage0_at > v.epoch or done(v) >= v.quota
 
 
-def shown_limit(v: EpochView) -> int | None:
+def shown_limit(v: EpochView, trusted: bool = False) -> int | None:
     """The latest epoch stage 0's admissions show a stage peer can be at (None: its word goes, `trusting`). A peer at
     epoch E has finished E - 1. Stage 0 at epoch A has finished the epochs before A, and a peer of a later stage may
     have finished A itself (on its count, before stage 0 did; and the epochs after A that stage 0 admitted early);
     our own epoch, once proven, and while we end it (its samples have left our count then: an honest peer that
     finished it must stay in view while our round runs). A peer that reports more is left out of our view rather
-    than taken as far as it can be."""
-    if trusting(v):
+    than taken as far as it can be. `trusted`: the limit of an established peer's word."""
+    if trusted and trusting(v):
         return None
     early = v.lookahead // v.quota  # whole epochs admitted early
     if v.stage0_at > v.epoch:
@@ -104,9 +121,11 @@ def shown_limit(v: EpochView) -> int | None:
 
 
 def shown(v: EpochView) -> dict[str, int]:
-    """The peers' epochs we believe (`shown_limit`)."""
-    limit = shown_limit(v)
-    return {p: e for p, e in v.peer_epochs.items() if limit is None or e <= limit}
+    """The peers' epochs we believe (`shown_limit`): an established peer's where we trust its word."""
+    limits = shown_limit(v, trusted=True), shown_limit(v)
+    return {
+        p: e for p, e in v.peer_epochs.items() if (limit := limits[0] if trusts(v, p) else limits[1]) is None or e <= limit
+    }
 
 
 def distrusted(refused_at: Mapping[str, int], epoch: int) -> set[str]:
@@ -146,9 +165,9 @@ def on_poll(v: EpochView, lost: bool = False) -> Decision:
     return Decision(Act.WAIT)
 
 
-def on_end_message(v: EpochView, epoch: int) -> bool:
-    """A stage peer asks us to end `epoch`: whether we do now."""
-    return epoch == v.epoch and v.accumulating and may_end(v)
+def on_end_message(v: EpochView, epoch: int, sender: str) -> bool:
+    """Stage peer `sender` asks us to end `epoch`: whether we do now."""
+    return epoch == v.epoch and v.accumulating and may_end(v, sender)
 
 
 def on_call(v: EpochView, admitted_at: int, signer_is_peer: bool) -> Decision:

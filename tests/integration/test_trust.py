@@ -2,16 +2,22 @@
 Each test is one hole a stranger found, closed: what it tries changes no state of the honest peers."""
 
 import asyncio
+import time
 
+import grpc
 import pytest
+import torch
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from swarm.compression import CompressionPolicy
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import StageStub, aio_channel
 from swarm.protocol.tensors import WireStats
 from tests.integration.test_tickets import admitted, last_stage_backward
-from tests.peers import SWARM, stage_servers, start_server
+from tests.peers import MODEL, SWARM, stage_servers, start_server, wait_for_async
 from tests.stages import raw_call
+from tests.unit.test_identity import signed
 from tests.unit.test_tickets import meta_of, signed_by
 from trainer.client import StageClient
 
@@ -41,4 +47,54 @@ async def test_a_strangers_admission_far_ahead_moves_no_stage():
             assert stranger.peer_id in last.collab.tickets.signers, "it was listed, and its admission verified"
         finally:
             await client.close()
+            stranger.shutdown()
+
+
+async def told_until_taken(address: str, msg: pb.StageProgress, timeout: float = 20.0) -> None:
+    """Send a Progress until the peer takes it (it refuses one from a peer it has not listed yet: its DHT read is
+    throttled)."""
+    deadline = time.monotonic() + timeout
+    async with aio_channel(address) as channel:
+        while True:
+            try:
+                await StageStub(channel).progress(msg, timeout=10)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+
+async def test_a_listed_strangers_word_ends_no_epoch_of_stage_0():
+    """A stranger listed on stage 0 tells stage 0's peer, in a signed Progress, to end its epoch, and reports itself
+    an epoch on: nothing happens until the stranger has done work the peer could check (a round with it). Before,
+    stage 0 trusted any listed peer's word and ended its epoch within a second. (A peer still in the epoch it joined
+    in has no progress of its own to hold a word against, and trusts it: the peer here has trained an epoch.)"""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(await start_server(initial_peers, stage=1))
+        loop = asyncio.get_running_loop()
+        stranger = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
+        worker = first.service.worker
+        tokens = torch.randint(0, MODEL.vocab_size, (8, MODEL.max_seq_len))  # the global batch: a step alone
+        await worker.submit(
+            lambda: worker.backward(tokens, grad_outputs=torch.randn(8, MODEL.max_seq_len, MODEL.d_model))
+        )
+        await first.collab.after_backward()
+        await wait_for_async(lambda: worker.epoch == 1 and not first.collab.busy, 30, "stage 0 to step alone")
+        try:
+            assert await stranger.announce(ServerRecord(host="127.0.0.1", port=1, stage=0, throughput=1e6), 60)
+            epoch, version = worker.epoch, worker.param_version
+            for told in (epoch, epoch + 1):
+                msg = signed(stranger.identity, peer_id=stranger.peer_id, epoch=told, samples=8, end_epoch=True)
+                await told_until_taken(first.record().address, msg)
+            await asyncio.sleep(8.0)  # the poller looks every 0.1 s; a round the epoch's end began fails within 3 s
+            collab = first.collab
+            assert (worker.epoch, worker.param_version, collab.rounds_ok, collab.rounds_failed) == (
+                epoch,
+                version,
+                0,
+                0,
+            )
+        finally:
             stranger.shutdown()

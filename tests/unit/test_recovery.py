@@ -46,9 +46,10 @@ class Peers:
         self.peers = {p: f"127.0.0.1:{7000 + i}" for i, p in enumerate(counts)}
         self.p2p_ids = {p: "" for p in counts}
         self._refused: dict[str, int] = {}
+        self.established: set[str] = set()
 
     refuse, distrusted = StagePeers.refuse, StagePeers.distrusted
-    shown_limit = staticmethod(lambda: None)
+    shown_limit = staticmethod(lambda trusted: None)
 
     @property
     def refused(self) -> set[str]:

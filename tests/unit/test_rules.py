@@ -26,11 +26,14 @@ def test_an_epoch_may_end_on_stage_0s_word_or_on_what_the_stage_proves_not_on_a_
     assert rules.may_end(view(held=8, proven=8)), "the global batch, ours and proven"
     assert rules.may_end(view(stage0_at=6)), "stage 0 admits epoch 6: it finished 5"
     assert not rules.may_end(view(stage0_at=5))
-    assert rules.may_end(view(stage=0)), "stage 0 trusts its peers"
+    assert rules.may_end(view(stage=0, established=frozenset({"a"})), "a"), "stage 0 trusts its established peers"
+    assert not rules.may_end(view(stage=0, established=frozenset({"a"})), "stranger"), "not a stranger"
+    assert not rules.may_end(view(established=frozenset({"a"})), "a"), "a later stage trusts proofs only"
 
 
 def test_a_peer_is_believed_as_far_as_stage_0s_admissions_show():
-    assert rules.shown_limit(view(stage=0)) is None
+    assert rules.shown_limit(view(stage=0), trusted=True) is None, "an established peer of stage 0: its word"
+    assert rules.shown_limit(view(stage=0)) == 5, "a stranger: as far as stage 0's admissions show"
     assert rules.shown_limit(view()) == 5, "nothing proven: not past our own epoch"
     assert rules.shown_limit(view(held=QUOTA)) == 6, "our epoch proven: a peer may have finished it"
     assert rules.shown_limit(view(ending=5)) == 6, "while we end it, a peer that finished it stays in view"
@@ -49,7 +52,7 @@ def test_a_liars_far_epoch_makes_a_peer_copy_nothing():
 def test_a_peer_whose_state_we_refused_is_nobody_ahead_of_us_until_the_refusal_lapses():
     """A refused peer alone at the furthest epoch counted as ahead: the peer kept trying to catch up from nobody and
     refused work as behind. The distrust lapses as the stage's epochs go on, though ours stays where it is."""
-    v = view(stage=0, peer_epochs={"a": 9, "b": 5})
+    v = view(stage=0, peer_epochs={"a": 9, "b": 5}, established=frozenset({"a", "b"}))
     assert rules.furthest(v) == 9
     refused = dataclasses.replace(v, refused_at={"a": 5})
     assert rules.furthest(refused) == 5 and rules.lately_refused(refused) == {"a"}
@@ -59,19 +62,23 @@ def test_a_peer_whose_state_we_refused_is_nobody_ahead_of_us_until_the_refusal_l
 
 def test_the_poller_catches_up_joins_a_round_ends_a_full_batch_or_waits():
     assert rules.on_poll(view(accumulating=False, held=QUOTA)) == Decision(Act.WAIT), "ending or recovering"
-    assert rules.on_poll(view(stage=0, peer_epochs={"a": 7})) == Decision(Act.CATCH_UP), "two epochs on: copy"
+    a = frozenset({"a"})
+    assert rules.on_poll(view(stage=0, peer_epochs={"a": 7}, established=a)) == Decision(Act.CATCH_UP), "copy it"
+    assert rules.on_poll(view(stage=0, peer_epochs={"a": 7})) == Decision(Act.WAIT), "a stranger's word: nothing"
     assert rules.on_poll(view(diverged=True)) == Decision(Act.CATCH_UP)
-    assert rules.on_poll(view(stage=0, peer_epochs={"a": 6})) == Decision(Act.END, 5), "peers finished it"
+    assert rules.on_poll(view(stage=0, peer_epochs={"a": 6}, established=a)) == Decision(Act.END, 5), "it finished"
     assert rules.on_poll(view(held=10, proven=6)) == Decision(Act.ANNOUNCE_AND_END, 5)
     assert rules.on_poll(view(stage=0), lost=True) == Decision(Act.ANNOUNCE_AND_END, 5)
     assert rules.on_poll(view(held=10, proven=5)) == Decision(Act.WAIT)
 
 
 def test_a_peer_ends_its_epoch_when_asked_only_if_it_may():
-    assert rules.on_end_message(view(stage0_at=6), 5)
-    assert not rules.on_end_message(view(stage0_at=6), 4), "another epoch"
-    assert not rules.on_end_message(view(stage0_at=6, accumulating=False), 5)
-    assert not rules.on_end_message(view(), 5), "a peer's word alone"
+    assert rules.on_end_message(view(stage0_at=6), 5, "a")
+    assert not rules.on_end_message(view(stage0_at=6), 4, "a"), "another epoch"
+    assert not rules.on_end_message(view(stage0_at=6, accumulating=False), 5, "a")
+    assert not rules.on_end_message(view(), 5, "a"), "a peer's word alone"
+    stage0 = view(stage=0, established=frozenset({"a"}))
+    assert rules.on_end_message(stage0, 5, "a") and not rules.on_end_message(stage0, 5, "stranger")
 
 
 def test_a_call_of_a_later_epoch_ends_ours_skips_or_finds_us_behind():
@@ -83,7 +90,7 @@ def test_a_call_of_a_later_epoch_ends_ours_skips_or_finds_us_behind():
     # two epochs on: behind if a peer of ours is there to copy, else the whole stage is behind stage 0 and skips
     assert rules.on_call(view(stage0_at=8), 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8)
     assert rules.on_call(view(stage0_at=8, peer_epochs={"a": 8}), 8, False) == Decision(Act.BEHIND)
-    behind = view(stage=0, stage0_at=8)
+    behind = view(stage=0, stage0_at=8, established=frozenset({"a"}))
     assert rules.on_call(behind, 8, True) == Decision(Act.BEHIND), "stage 0: the signer is a peer, ahead"
     assert rules.on_call(behind, 8, False) == Decision(Act.ANNOUNCE_AND_END, 5, skip_to=8), "our own"
 
