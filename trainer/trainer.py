@@ -36,6 +36,7 @@ from trainer.deadlines import CallDeadlines
 from trainer.metrics import fill_trainer_metrics
 from trainer.routing import StageRouter
 from trainer.schedule import MicrobatchResult, train_microbatch
+from trainer.vetting import Vetting
 
 logger = logging.getLogger("swarm.trainer")
 ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch
@@ -85,6 +86,8 @@ class Trainer:
         self.cfg, self.model_cfg, self.sdht, self.data = cfg, model_cfg, sdht, data
         self.n_stages = model_cfg.n_stages
         self.routers = [StageRouter() for _ in range(self.n_stages)]
+        self.vetting = [Vetting() for _ in range(self.n_stages)]  # which listed peers answered as themselves
+        self._listed: list[dict[str, float]] = [{} for _ in range(self.n_stages)]  # peer id -> record expiration
         self.deadlines = CallDeadlines(cap=cfg.request_timeout, floor=cfg.min_request_timeout)
         self.records: list[dict[str, ServerRecord]] = [{} for _ in range(self.n_stages)]
         self.versions = [0] * self.n_stages
@@ -272,6 +275,29 @@ class Trainer:
             return reply
         raise MicrobatchLost(f"stage {stage} {method} failed {attempts} times; last error: {last_error!r}")
 
+    def _route(self, stage: int) -> None:
+        """Route to the listed peers of `stage` that answered as themselves (vetting.py)."""
+        vetting = self.vetting[stage]
+        self.routers[stage].update_peers({p: e for p, e in self._listed[stage].items() if vetting.vetted(p)})
+        self.peers_changed.set()
+
+    async def _vet(self, stage: int, peer_id: str, address: str) -> None:
+        """Whether the server at `address` names `peer_id` and `stage` in its Info; routes to it if it does."""
+        try:
+            reply = await self.client.channels.stub(address).info(pb.InfoRequest(), timeout=PROBE_S)
+            ok = reply.peer_id == peer_id and reply.stage == stage
+        except Exception as e:  # unreachable, frozen, garbage: not routed to
+            logger.debug("stage %d peer %s at %s did not answer as itself: %r", stage, peer_id[-6:], address, e)
+            ok = False
+        self.vetting[stage].answered(peer_id, address, ok)
+        if ok:
+            self._route(stage)
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._probes.add(task)  # asyncio keeps only weak references to tasks
+        task.add_done_callback(self._probes.discard)
+
     def _probe(self, stage: int, peer_id: str, address: str) -> None:
         """A call to `peer_id` timed out and banned it; if it answers Info within PROBE_S it was busy (its compute
         thread held by a round with a peer that froze, say), not frozen itself: lift the ban (StageRouter.forgive)
@@ -291,9 +317,7 @@ class Trainer:
                 logger.info("stage %d: %s answers after its call timed out: busy, not gone; unbanned", stage, address)
                 self.peers_changed.set()
 
-        task = asyncio.get_running_loop().create_task(probe())
-        self._probes.add(task)  # asyncio keeps only weak references to tasks
-        task.add_done_callback(self._probes.discard)
+        self._background(probe())
 
     async def _discover_forever(self) -> None:
         """Every period, a lookup of each stage, whether the last ones have come back or not (up to
@@ -314,8 +338,10 @@ class Trainer:
                 return
             applied[stage] = seq
             self.records[stage] = {e.peer_id: e.record for e in entries}
-            self.routers[stage].update_peers({e.peer_id: e.expiration for e in entries})
-            self.peers_changed.set()
+            self._listed[stage] = {e.peer_id: e.expiration for e in entries}
+            self._route(stage)
+            for peer_id in self.vetting[stage].listed({p: r.address for p, r in self.records[stage].items()}):
+                self._background(self._vet(stage, peer_id, self.records[stage][peer_id].address))
 
         try:
             while True:

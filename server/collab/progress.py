@@ -28,6 +28,9 @@ from swarm.tasks import cancelled_here
 
 logger = logging.getLogger(__name__)
 UNREACHABLE_HOLD_S = 30.0  # a peer a Progress could not reach stays out of the group this long unless it speaks
+# ... and one we never heard from: 5 s after its first miss (a peer that is starting may not serve gRPC yet), twice
+# that after each next one, up to 5 minutes (a record at an address nobody serves, which anyone can announce)
+UNHEARD_HOLD_S = (5.0, 300.0)
 
 
 class StagePeers:
@@ -49,9 +52,11 @@ class StagePeers:
         self._claimed: dict[str, int] = {}  # stage 0: peer id -> the latest epoch our claim to it was answered
         self._missed_once: set[str] = set()  # known peers the last DHT read did not list
         # peers a Progress could not reach (dead or frozen: their DHT records outlive them by up to a record's
-        # lifetime), by when: left out of the group even while the DHT lists them, until they speak again or
-        # UNREACHABLE_HOLD_S pass; `held` keeps the addresses the DHT lists for them meanwhile
+        # lifetime), until when: left out of the group even while the DHT lists them, until they speak again or
+        # their hold (UNREACHABLE_HOLD_S, UNHEARD_HOLD_S) passes; `held` keeps the addresses the DHT lists for them
         self._unreachable: dict[str, float] = {}
+        self._misses: dict[str, int] = {}  # peers we never heard from -> Progress messages in a row they missed
+        self._answered: set[str] = set()  # peers that took a Progress of ours (with those we heard from: the group)
         self.held: dict[str, str] = {}
         self._channels = Channels(sdht.p2p)
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
@@ -96,6 +101,12 @@ class StagePeers:
             return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
         return None
 
+    def took(self, peer_id: str) -> None:
+        """A listed peer took a Progress of ours: it serves where its record says (it may join our rounds)."""
+        if peer_id in self.peers:
+            self._answered.add(peer_id)
+            self._misses.pop(peer_id, None)
+
     def heard_from(self, peer_id: str) -> bool:
         return peer_id in self._first_epoch
 
@@ -137,7 +148,7 @@ class StagePeers:
         ]
         listed = {e.peer_id: e.record.address for e in entries if e.record.ready}
         now = time.monotonic()
-        self._unreachable = {p: t for p, t in self._unreachable.items() if now - t < UNREACHABLE_HOLD_S}
+        self._unreachable = {p: until for p, until in self._unreachable.items() if now < until}
         self.held = {p: a for p, a in listed.items() if p in self._unreachable}
         listed = {p: a for p, a in listed.items() if p not in self._unreachable}
         self.pending = {e.peer_id: e.record.address for e in entries if not e.record.ready}
@@ -149,6 +160,8 @@ class StagePeers:
         self.lineages = {p: v for p, v in self.lineages.items() if p in self.peers}
         self.averaged = {p: e for p, e in self.averaged.items() if p in self.peers}
         self.recovering &= set(self.peers)
+        self._answered &= set(self.peers)
+        self._misses = {p: n for p, n in self._misses.items() if p in listed or p in self._unreachable}
 
     async def broadcast(
         self,
@@ -200,6 +213,8 @@ class StagePeers:
         self.bytes_sent += msg.ByteSize() * len(peers)
         acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
         answered = {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
+        for peer_id in answered:
+            self.took(peer_id)
         for peer_id, ack in answered.items():
             sent = held[peer_id] | lacking
             if ack.served_held < len(sent):  # it holds fewer than we sent it (it restarted, or could not check some
@@ -265,16 +280,21 @@ class StagePeers:
             logger.debug("stage peer %s does not list us yet", address)
             return False
         logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
-        # only a peer we have heard from is held out: one that is starting may not serve gRPC yet
-        self._drop(peer_id, address, hold=self.heard_from(peer_id))
+        if self.heard_from(peer_id):
+            self._drop(peer_id, address, UNREACHABLE_HOLD_S)
+        else:
+            misses = self._misses[peer_id] = self._misses.get(peer_id, 0) + 1
+            first, most = UNHEARD_HOLD_S
+            self._drop(peer_id, address, min(most, first * 2 ** min(misses - 1, 16)))
         return True
 
-    def _drop(self, peer_id: str, address: str, hold: bool) -> None:
-        """Leave a peer out of the group; `hold`: even while the DHT lists it, until it speaks again or
-        UNREACHABLE_HOLD_S pass."""
-        if self.peers.pop(peer_id, None) is not None and hold:
-            self._unreachable[peer_id] = time.monotonic()
+    def _drop(self, peer_id: str, address: str, hold: float | None) -> None:
+        """Leave a peer out of the group; `hold`: for that many seconds even while the DHT lists it, unless it speaks
+        again."""
+        if self.peers.pop(peer_id, None) is not None and hold is not None:
+            self._unreachable[peer_id] = time.monotonic() + hold
             self.held[peer_id] = address
+        self._answered.discard(peer_id)
         self.view.pop(peer_id, None)
         self._served_held.pop(peer_id, None)  # back, it may have restarted: it gets every admission again
         self._channels.drop(address)
@@ -304,7 +324,7 @@ class StagePeers:
                 logger.info(
                     "stage peer %s refused our claim of global batch %d; dropping it from the group", address, epoch
                 )
-                self._drop(peer_id, address, hold=True)
+                self._drop(peer_id, address, UNREACHABLE_HOLD_S)
                 continue
             self._note_admitted(peer_id, epoch, int(ack.admitted), int(ack.admitted_next))
             self._claimed[peer_id] = max(self._claimed.get(peer_id, -2), epoch)
@@ -353,7 +373,9 @@ class StagePeers:
         return sorted(p for p, e in self._shown_averaged(self._shown()).items() if e >= epoch and p in live)
 
     def group_size(self, epoch: int) -> int:
-        """Us and every peer we know of, or that reported `epoch`, except those that reported an epoch before
+        """Us and every listed peer that took a Progress of ours or sent us one (a record is a claim: anyone can
+        announce one at an address nobody serves, and a round waiting for such a peer fails), or that reported `epoch`,
+        except those that reported an epoch before
         `epoch - 1` or that say they are copying a state: such a peer copies a state instead of joining the round. In
         it, it held the round until --averaging-timeout: a restarted peer that had loaded an older state waited to
         copy ours, and with delayed steps we share none until our round ends (stalls of 10 s after each restart in the
@@ -364,7 +386,8 @@ class StagePeers:
         """The peers `group_size` counts, us aside."""
         view = dict(self.view)
         behind = {p for p, (e, _) in view.items() if e < epoch - 1} | self.recovering
-        return (set(self.peers) - behind) | {p for p, (e, _) in view.items() if e == epoch and p not in behind}
+        known = {p for p in self.peers if p in self._answered or self.heard_from(p)}
+        return (known - behind) | {p for p, (e, _) in view.items() if e == epoch and p not in behind}
 
     def group_p2p_ids(self, epoch: int) -> list[str] | None:
         """The libp2p ids of the peers `group_size` counts (us aside), or None if a record has not told us one."""

@@ -124,7 +124,9 @@ def shown(v: EpochView) -> dict[str, int]:
     """The peers' epochs we believe (`shown_limit`): an established peer's where we trust its word."""
     limits = shown_limit(v, trusted=True), shown_limit(v)
     return {
-        p: e for p, e in v.peer_epochs.items() if (limit := limits[0] if trusts(v, p) else limits[1]) is None or e <= limit
+        p: e
+        for p, e in v.peer_epochs.items()
+        if (limit := limits[0] if trusts(v, p) else limits[1]) is None or e <= limit
     }
 
 

@@ -27,6 +27,7 @@ from tests.stages import hanging_stage_server
 from tests.unit.test_hung_peers import ListingDHT
 from trainer.routing import StageRouter
 from trainer.trainer import MAX_LOOKUPS_IN_FLIGHT, Trainer
+from trainer.vetting import Vetting
 
 
 @pytest.mark.timeout(30)
@@ -173,7 +174,17 @@ async def test_announces_and_lookups_that_a_frozen_dht_node_holds_do_not_hold_th
         records=[{}, {}],
         routers=[StageRouter(), StageRouter()],
         peers_changed=asyncio.Event(),
+        vetting=[Vetting(), Vetting()],
+        _listed=[{}, {}],
     )
+    trainer._route = functools.partial(Trainer._route, trainer)
+    vetted: list[asyncio.Task] = []
+
+    async def vet(stage: int, peer_id: str, address: str) -> None:  # every listed peer answers as itself
+        trainer.vetting[stage].answered(peer_id, address, True)
+        trainer._route(stage)
+
+    trainer._vet, trainer._background = vet, lambda coroutine: vetted.append(asyncio.ensure_future(coroutine))
     dht.most_in_flight = 0
     discovering = asyncio.create_task(Trainer._discover_forever(trainer))  # type: ignore[arg-type]
     await asyncio.sleep(1.25)

@@ -14,12 +14,16 @@ from swarm.compression import CompressionPolicy
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, aio_channel
 from swarm.protocol.tensors import WireStats
+from tests.conftest import free_port
 from tests.integration.test_tickets import admitted, last_stage_backward
 from tests.peers import MODEL, SWARM, stage_servers, start_server, wait_for_async
 from tests.stages import raw_call
 from tests.unit.test_identity import signed
 from tests.unit.test_tickets import meta_of, signed_by
 from trainer.client import StageClient
+from trainer.config import TrainerConfig
+from trainer.data import load_corpus, microbatches
+from trainer.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,3 +102,33 @@ async def test_a_listed_strangers_word_ends_no_epoch_of_stage_0():
             )
         finally:
             stranger.shutdown()
+
+
+async def test_a_strangers_record_at_an_address_nobody_serves_draws_no_microbatch():
+    """A stranger announces a signed stage-1 record claiming 10^6 samples/s at an address nobody serves: a trainer
+    probes it (and again, ever more rarely) but routes it no call; every microbatch goes through the real servers,
+    none is retried, and the real stage-1 server never waits for it in a round. Before, the record drew calls as soon
+    as it was listed (6 failed calls in 50 s, a quarter of the trainer's throughput), and the stage-1 server's rounds
+    waited for it and failed."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(await start_server(initial_peers, stage=0))
+        servers.append(real := await start_server(initial_peers, stage=1))
+        loop = asyncio.get_running_loop()
+        stranger = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
+        sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
+        data = microbatches(load_corpus(max_bytes=1 << 16), 2, MODEL.max_seq_len, seed=0)
+        trainer = Trainer(TrainerConfig(max_steps=12, in_flight=2, discovery_period=0.5), MODEL, sdht, data)
+        try:
+            unused = free_port()  # nothing listens there: connections are refused at once
+            record = ServerRecord(host="127.0.0.1", port=unused, stage=1, throughput=1e6)
+            assert await stranger.announce(record, 60)
+            stats = await asyncio.wait_for(trainer.run(asyncio.Event()), 90)
+            assert stats["steps"] >= 12 and stats["lost_microbatches"] == 0 and stats["retries"] == 0
+            routed = trainer.routers[1].snapshot()
+            assert stranger.peer_id in trainer.records[1], "the stranger's record was listed"
+            assert routed[real.sdht.peer_id]["chosen"] >= 12
+            assert stranger.peer_id not in routed or routed[stranger.peer_id]["chosen"] == 0
+            assert real.collab.rounds_failed == 0, "the stage-1 server waited for the stranger in a round"
+        finally:
+            stranger.shutdown()
+            sdht.shutdown()

@@ -19,7 +19,7 @@ from dht.records import PeerEntry, ServerRecord
 from server.collab.averaging import ParameterAveraging, round_result
 from server.collab.epoch import Phase, StageCollaboration
 from server.collab.hivemind_compat import AveragerClosed
-from server.collab.progress import StagePeers
+from server.collab.progress import UNHEARD_HOLD_S, StagePeers
 from server.config import AveragingConfig
 from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb
@@ -46,14 +46,23 @@ class ListingDHT:
 @pytest.mark.timeout(30)
 async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_speaks():
     """The DHT keeps listing a frozen peer until its record expires; a DHT read must not bring it back into the group
-    (a round would wait for it again), but a message from it must. A peer never heard from is not held out."""
+    (a round would wait for it again), but a message from it must. A peer never heard from is held out too, briefly
+    at first (it may still be starting), then ever longer (a record at an address nobody serves)."""
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: the Progress fails at once (UNAVAILABLE)
     peers = StagePeers(ListingDHT({"frozen": dead}), stage=1, peer_timeout=1.0)
     await peers.refresh()
     assert peers.peers == {"frozen": dead}
-    await peers._send("frozen", dead, pb.StageProgress())
-    assert peers.held == {}, "a peer never heard from may still be starting: the next DHT read brings it back"
-    await peers.refresh()
+    holds = []
+    for _ in range(3):
+        started = time.monotonic()
+        await peers._send("frozen", dead, pb.StageProgress())
+        assert peers.peers == {} and peers.held == {"frozen": dead}
+        holds.append(peers._unreachable["frozen"] - started)
+        peers._unreachable["frozen"] = 0.0  # its hold over: the next DHT read brings it back
+        await peers.refresh()
+        assert peers.peers == {"frozen": dead}
+    first, _ = UNHEARD_HOLD_S
+    assert [round(h / first) for h in holds] == [1, 2, 4], holds
     peers.record(pb.StageProgress(peer_id="frozen", epoch=0, samples=4))  # it spoke once, then froze
     await peers._send("frozen", dead, pb.StageProgress())
     assert peers.peers == {} and peers.held == {"frozen": dead}

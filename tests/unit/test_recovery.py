@@ -232,14 +232,17 @@ def test_with_delayed_steps_a_round_is_over_once_every_peer_says_it_averaged_tha
 def test_a_peer_two_epochs_behind_or_copying_a_state_is_left_out_of_the_round():
     """A peer that reported an epoch two or more before the round's catches up by copying a state; the round does not
     wait for it (a restarted peer that had loaded an older state held a delayed round until its timeout). A peer one
-    epoch behind may still end that epoch and come: it stays in the group, as does a peer that said nothing yet,
-    unless it says it is copying a state."""
+    epoch behind may still end that epoch and come: it stays in the group, as does a peer that said nothing yet but
+    took a Progress of ours, unless it says it is copying a state. A listed peer that neither spoke nor took one is in
+    no round: a record is only a claim."""
     peers = StagePeers(SimpleNamespace(peer_id="d", p2p=None), stage=1, peer_timeout=1.0)  # type: ignore[arg-type]
     peers.peers = {"a": "127.0.0.1:1", "b": "127.0.0.1:2", "c": "127.0.0.1:3", "e": "127.0.0.1:4"}
     peers.p2p_ids = {"a": "QmA", "b": "QmB", "c": "QmC", "e": "QmE"}
     peers.record(pb.StageProgress(peer_id="a", epoch=208))  # ahead: its round of 207 runs in the background
     peers.record(pb.StageProgress(peer_id="b", epoch=206))
     peers.record(pb.StageProgress(peer_id="c", epoch=205))  # restarted, loaded an older state
+    assert peers.group_size(207) == 3 and "e" not in peers.group(207)
+    peers.took("e")
     assert peers.group_size(207) == 4 and sorted(peers.group_p2p_ids(207) or []) == ["QmA", "QmB", "QmE"]
     peers.record(pb.StageProgress(peer_id="c", epoch=208))  # caught up
     assert peers.group_size(207) == 5
