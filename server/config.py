@@ -168,8 +168,9 @@ class GuardConfig:
     max_caller_share: float = field(
         default=0.5,
         metadata={
-            "help": "the share of --max-active-calls and --max-buffered-mb one caller (one IP address) may hold; "
-            "more of its calls get RESOURCE_EXHAUSTED while others still get in"
+            "help": "the share of --max-active-calls and --max-buffered-mb one caller (a connection, or a libp2p "
+            "peer) may hold, and the callers of one IP address together twice that; more of its calls get "
+            "RESOURCE_EXHAUSTED while others still get in"
         },
     )
 

@@ -33,12 +33,14 @@ from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.drain import Drains
 from swarm.protocol.frames import (
+    ADDRESS_SHARE_FACTOR,
     MAX_META_STRING,
     MAX_SIGNATURE_BYTES,
     Busy,
     ByteBudget,
     Call,
     Limits,
+    address_of,
     iter_frames,
     read_call,
 )
@@ -185,9 +187,10 @@ class Uncounted(Exception):
 
 
 def caller_of(context: grpc.aio.ServicerContext) -> str:
-    """The caller's address without its port ("ipv4:203.0.113.7"): per-caller limits hold across its connections."""
-    peer = context.peer() or ""
-    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+    """Who calls: its connection ("ipv4:203.0.113.7:51234"), or its libp2p id ("p2p:12D3KooW...": authenticated by
+    libp2p). Per-caller limits hold per caller, and per address (swarm.protocol.frames `address_of`) for all of its
+    callers together."""
+    return context.peer() or ""
 
 
 def _short(message: str) -> str:
@@ -225,6 +228,7 @@ class StageService:
         self.budget = ByteBudget(self._budget_bytes(), self.guard.max_caller_share)
         self.drains = Drains(DRAINING)
         self.calls_by_caller: dict[str, int] = {}
+        self.calls_by_address: dict[str, int] = {}
         self.replies = ReplyCache(max(self.budget.limit // 4, 8 << 20))
         self._jobs: set[asyncio.Future] = set()  # Backwards computing (asyncio keeps only weak references to tasks)
         self.requests_rejected = 0
@@ -355,16 +359,24 @@ class StageService:
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         caller = caller_of(context)
-        held = self.calls_by_caller.get(caller, 0)
+        address = address_of(caller)
+        held, from_address = self.calls_by_caller.get(caller, 0), self.calls_by_address.get(address, 0)
+        share = self.guard.max_active_calls * self.guard.max_caller_share
         if self.active_calls >= self.guard.max_active_calls:
             self.requests_busy += 1
             await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.active_calls} calls in progress")
-        if held >= self.guard.max_active_calls * self.guard.max_caller_share:
+        if held >= share or from_address >= min(self.guard.max_active_calls, ADDRESS_SHARE_FACTOR * share):
             self.requests_busy += 1
-            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {held} calls of this caller in progress")
+            whose = "this caller" if held >= share else "this address"
+            await refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"busy: {max(held, from_address)} calls of {whose} in progress",
+            )
         worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
         self.active_calls += 1
         self.calls_by_caller[caller] = held + 1
+        self.calls_by_address[address] = from_address + 1
         call: Call | None = None
         where = "reading"  # what the call waits for now: SWARM_DEBUG logs it for a call its caller gave up on
         # (status, message) to end the call with. Refused after the `except` blocks, not in them: an abort raised
@@ -385,7 +397,7 @@ class StageService:
             n = self._samples(call)
             where = "admission" if self.schema.is_first and not backward else "its epoch (observe)"
             if self._admits(call.meta, backward):
-                ticket = await collab.admit(call.meta.microbatch_id, n, deadline)  # the global batch it joins
+                ticket = await collab.admit(call.meta.microbatch_id, n, deadline, caller)  # the batch it joins
             else:
                 reply = await self._observe(
                     collab, call, n, backward, deadline
@@ -404,7 +416,7 @@ class StageService:
                     reply = await worker.submit(functools.partial(self._compute, call, False, ticket), deadline, True)
                 except BaseException:
                     if ticket is not None:  # admitted but never computed (or never returned): it will not come back
-                        collab.release(ticket.global_batch, n)
+                        collab.release(ticket, call.meta.microbatch_id, n)
                     raise
         except WireError as e:
             self.requests_rejected += 1
@@ -446,8 +458,9 @@ class StageService:
             refusal = grpc.StatusCode.INTERNAL, "internal error (see the server's log)"
         finally:
             self.active_calls -= 1
-            if (left := self.calls_by_caller.pop(caller) - 1) > 0:
-                self.calls_by_caller[caller] = left
+            for counts, key in ((self.calls_by_caller, caller), (self.calls_by_address, address)):
+                if (left := counts.pop(key) - 1) > 0:
+                    counts[key] = left
             if call is not None:
                 self.budget.release(call.reserved, call.caller)
         if refusal is not None or reply is None:

@@ -83,9 +83,9 @@ class Collaboration(Protocol):
 
     async def after_backward(self) -> None: ...
 
-    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
-        """Stage 0, before a Forward of `n` samples that a Backward will follow: wait for room in a global batch.
-        Returns the global batch it joins and the epoch now, signed for the microbatch's later calls."""
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None, caller: str = "") -> Ticket:
+        """Stage 0, before a Forward of `n` samples from `caller` that a Backward will follow: wait for room in a
+        global batch. Returns the global batch it joins and the epoch now, signed for the microbatch's later calls."""
         ...
 
     async def observe(
@@ -107,7 +107,7 @@ class Collaboration(Protocol):
         `observe` would refuse whatever the payload (a Backward without one, one not signed)."""
         ...
 
-    def release(self, batch: int, n: int) -> None:
+    def release(self, ticket: Ticket, microbatch_id: str, n: int) -> None:
         """Stage 0: an admitted microbatch of `n` samples failed before it was computed."""
         ...
 
@@ -172,7 +172,7 @@ class LocalSteps:
     async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck | None:
         return None
 
-    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None, caller: str = "") -> Ticket:
         return Ticket(self.epoch, self.epoch)  # one peer, stepping when it has the global batch: nothing to check
 
     async def observe(
@@ -188,7 +188,7 @@ class LocalSteps:
     def precheck(self, meta: pb.CallMeta, backward: bool) -> None:
         pass
 
-    def release(self, batch: int, n: int) -> None:
+    def release(self, ticket: Ticket, microbatch_id: str, n: int) -> None:
         pass
 
     def unobserve(self, meta: pb.CallMeta) -> None:

@@ -37,12 +37,13 @@ from server.collab import rules
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import averager_options, build_averaging
 from server.collab.hivemind_compat import check_version, warm_up_8bit
+from server.collab.leases import Leases
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
 from server.collab.rules import Act, EpochView
 from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
-from server.collab.tickets import Ticket, Tickets, by_signer
+from server.collab.tickets import Ticket, Tickets, by_signer, ticket_key
 from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
@@ -151,6 +152,7 @@ class StageCollaboration:
         # the DHT reads an unlisted sender of Progress triggers
         self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)
         self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
+        self.leases = Leases(epochs.admission_timeout)  # stage 0: how long an admission may stay away (leases.py)
         self._admission = asyncio.Event()  # set when an admission may have become possible
         self._stepped = asyncio.Event()  # set while no epoch is ending (`_step_before`)
         self._stepped.set()
@@ -308,6 +310,11 @@ class StageCollaboration:
             await self.served.prove(msg, self.epoch)
         except ForgedAdmission as e:
             raise ProgressRefused(str(e)) from None
+        if self.stage == 0:  # ours that a peer computed came back (proved: their signature is ours)
+            now = time.monotonic()
+            for a in (*msg.served, *msg.taken):
+                if a.admitted_by == self.sdht.peer_id:
+                    self.leases.returned(ticket_key(a), now)
         self.peers.record(msg)
         if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
             self._spawn(self._broadcast(end_epoch=False))
@@ -402,7 +409,7 @@ class StageCollaboration:
             moved_on=latest if latest is not None and latest.admitted_at > epoch else None,
         )
 
-    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None) -> Ticket:
+    async def admit(self, microbatch_id: str, n: int, deadline: float | None = None, caller: str = "") -> Ticket:
         """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
         monotonic time) for a global batch with room (server/collab/admission.py). Returns the global batch it joins
         and our epoch now, signed (tickets.py). Raises AdmissionRefused when the microbatch belongs on another peer of
@@ -413,6 +420,7 @@ class StageCollaboration:
 
         if not await self._read_peers_before_first_admission(patience()):
             raise AdmissionRefused("admission: this peer of stage 0 is still meeting its stage's peers; ask again")
+        self.leases.asked(caller, time.monotonic())
         while True:
             epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
             if not self.admitting or self.phase is Phase.STOPPED:
@@ -426,6 +434,13 @@ class StageCollaboration:
                         "admission: a peer of stage 0 does not count this one among the admitting peers yet"
                     )
                 continue  # the epoch may have moved on meanwhile
+            open_samples = self.cfg.samples_per_step + self.cfg.lookahead_samples
+            share = self.leases.share(caller, open_samples, time.monotonic(), n)
+            if (held := self.leases.holds(caller)) + n > share:
+                raise AdmissionRefused(
+                    f"admission: this caller holds {held} samples of the open global batches, its share while others "
+                    f"ask is {share}; ask again once some came back"
+                )
             placed = self.admission.place(epoch, n)
             if placed is Decision.REFUSE:
                 raise AdmissionRefused(
@@ -434,6 +449,7 @@ class StageCollaboration:
                 )
             if placed is not Decision.WAIT:
                 break
+            self.leases.waited(caller, time.monotonic())
             if patience() == 0.0:
                 # answer while the caller still listens: a call that times out looks like a dead peer to it (a ban),
                 # a refusal is retried shortly (a stage further down the pipeline may be slow or frozen meanwhile)
@@ -445,6 +461,7 @@ class StageCollaboration:
                 pass
         assert isinstance(placed, int)
         self.admission.record(placed, n, epoch)
+        self.leases.grant((self.sdht.peer_id, microbatch_id, placed, epoch), caller, placed, n, time.monotonic())
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "admitted %s (%d samples) into batch %d at epoch %d: ours %d, theirs %s, admitting %s",
@@ -514,9 +531,10 @@ class StageCollaboration:
             except TimeoutError:
                 pass
 
-    def release(self, batch: int, n: int) -> None:
-        """Event loop: a microbatch admitted into `batch` failed before it was computed; it will not come back."""
-        self.admission.release(batch, n)
+    def release(self, ticket: Ticket, microbatch_id: str, n: int) -> None:
+        """Event loop: an admitted microbatch failed before it was computed; it will not come back."""
+        self.leases.released((ticket.signer, microbatch_id, ticket.global_batch, ticket.admitted_at))
+        self.admission.release(ticket.global_batch, n)
         if self.peers.peers:
             self._spawn(self._broadcast(end_epoch=False))
 
@@ -545,6 +563,8 @@ class StageCollaboration:
         gone) skips the epochs that have no samples of its own. A Backward refused here has not spent its admission:
         its retry, here or on another peer, is judged afresh. `on_spent`, `deadline`: see Collaboration.observe."""
         await self.tickets.check(meta, samples, backward)
+        if backward and meta.admitted_by == self.sdht.peer_id:  # one of ours came back
+            self.leases.returned(ticket_key(meta), time.monotonic())
         try:
             if backward and on_spent is not None:
                 on_spent()
@@ -636,6 +656,8 @@ class StageCollaboration:
                 # this loop ran on, and `stop` waited for it for ever (CI: a test's teardown hung 120 s, twice)
                 return
             self._kick.clear()
+            if self.stage == 0:
+                self._release_run_out()
             if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
                 # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead) leaves
                 # the group within --peer-timeout, and a round left with nobody gives up at once instead of holding
@@ -649,6 +671,21 @@ class StageCollaboration:
                 self._refreshing = self._spawn(self._refresh())
             if _idle(self._checking):
                 self._checking = self._spawn(self._maybe_end_epoch())
+
+    def _release_run_out(self) -> None:
+        """Stage 0: admissions whose leases ran out (leases.py) are admitted again: the batch does not wait for them."""
+        run_out = self.leases.run_out(time.monotonic())
+        for batch, n in run_out:
+            self.admission.release(batch, n)
+        if run_out:
+            logger.info(
+                "stage 0: %d admitted microbatches (%d samples) stayed away past their lease; admitting as many again",
+                len(run_out),
+                sum(n for _, n in run_out),
+            )
+            self._admission.set()
+            if self.peers.peers:
+                self._spawn(self._broadcast(end_epoch=False))
 
     async def _refresh(self) -> None:
         await self.peers.refresh()
@@ -713,6 +750,7 @@ class StageCollaboration:
             try:
                 self.peers.forget_before(epoch)
                 self.served.forget_before(epoch - KEEP_EPOCHS)
+                self.leases.forget_before(epoch + 1)  # the batch is over: its microbatches still away are late
                 await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: the caps
                 if self.peers.group_size(epoch) <= 1:
                     # about to step alone: peers that started with us may not be listed yet, and if each stepped

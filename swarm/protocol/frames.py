@@ -165,13 +165,27 @@ class Busy(Exception):
     """The receiver holds as many request bytes as it accepts: RESOURCE_EXHAUSTED, the caller tries another peer."""
 
 
+ADDRESS_SHARE_FACTOR = 2.0  # the callers of one address together hold at most this many callers' shares
+
+
+def address_of(caller: str) -> str:
+    """The address a caller calls from: "ipv4:203.0.113.7" of the connection "ipv4:203.0.113.7:51234"; a libp2p
+    caller ("p2p:<its id>", authenticated by libp2p) is its own."""
+    if caller.startswith(("ipv4:", "ipv6:")) and caller.count(":") >= 2:
+        return caller.rsplit(":", 1)[0]
+    return caller
+
+
 class ByteBudget:
     """Payload bytes a receiver holds at once, across all its calls and per caller: a flood is refused instead of
-    growing memory, and one caller (one address) holds at most `caller_share` of the limit, so others still get in."""
+    growing memory. One caller (a connection, or a libp2p peer) holds at most `caller_share` of the limit, so others
+    still get in, and the callers of one address together ADDRESS_SHARE_FACTOR times that: peers behind one NAT or
+    relay do not pay for each other, and one host opening many connections holds no more than two callers' share."""
 
     def __init__(self, limit: int, caller_share: float = 1.0):
         self.limit, self.used, self.caller_share = limit, 0, caller_share
         self.by_caller: dict[str, int] = {}
+        self.by_address: dict[str, int] = {}
         self.arrived = 0  # payload bytes that arrived, held or refused (server/heap.py trims after enough)
 
     def take(self, n: int, caller: str = "") -> None:
@@ -183,20 +197,25 @@ class ByteBudget:
         """Hold `n` bytes for what `caller` is about to send (the next frame read from its stream); raises Busy."""
         if self.used + n > self.limit:
             raise Busy(f"busy: {self.used / 2**20:.1f} MiB of requests held, the limit is {self.limit / 2**20:.1f} MiB")
-        held = self.by_caller.get(caller, 0)
+        held, address = self.by_caller.get(caller, 0), address_of(caller)
         if held + n > self.limit * self.caller_share:
             most = self.limit * self.caller_share / 2**20
             raise Busy(
                 f"busy: this caller holds {held / 2**20:.1f} MiB of requests, one caller may hold {most:.1f} MiB"
             )
+        from_address = self.by_address.get(address, 0)
+        if from_address + n > self.limit * min(1.0, ADDRESS_SHARE_FACTOR * self.caller_share):
+            raise Busy(f"busy: the callers of this address hold {from_address / 2**20:.1f} MiB of requests")
         self.used += n
         self.by_caller[caller] = held + n
+        self.by_address[address] = from_address + n
 
     def release(self, n: int, caller: str = "") -> None:
         self.used -= n
-        left = self.by_caller.pop(caller, 0) - n
-        if left > 0:
-            self.by_caller[caller] = left
+        for counts, key in ((self.by_caller, caller), (self.by_address, address_of(caller))):
+            left = counts.pop(key, 0) - n
+            if left > 0:
+                counts[key] = left
 
 
 def _check_header(h: pb.TensorHeader, limits: Limits, seen: dict) -> None:

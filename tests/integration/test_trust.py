@@ -10,14 +10,15 @@ import torch
 
 from dht.node import SwarmDHT
 from dht.records import ServerRecord
-from swarm.compression import CompressionPolicy
+from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import StageStub, aio_channel
-from swarm.protocol.tensors import WireStats
+from swarm.protocol.frames import iter_frames
+from swarm.protocol.rpc import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE, StageStub, aio_channel
+from swarm.protocol.tensors import WireStats, encode_tensor
 from tests.conftest import free_port
 from tests.integration.test_tickets import admitted, last_stage_backward
 from tests.peers import MODEL, SWARM, stage_servers, start_server, wait_for_async
-from tests.stages import raw_call
+from tests.stages import random_batch, raw_call
 from tests.unit.test_identity import signed
 from tests.unit.test_tickets import meta_of, signed_by
 from trainer.client import StageClient
@@ -131,4 +132,61 @@ async def test_a_strangers_record_at_an_address_nobody_serves_draws_no_microbatc
             assert real.collab.rounds_failed == 0, "the stage-1 server waited for the stranger in a round"
         finally:
             stranger.shutdown()
+            sdht.shutdown()
+
+
+async def test_a_caller_that_takes_admissions_and_walks_away_starves_nobody():
+    """A hostile caller keeps Forwards admitted at stage 0 and never sends their Backwards, beside an honest trainer.
+    Its admissions run out after a few of the round trips the honest trainer shows, its share shrinks with each, and
+    the honest trainer trains on with no stall of more than a few seconds. Before, the hostile caller took the global
+    batch every epoch and the honest trainer waited --admission-timeout (30 s) each time."""
+    async with stage_servers() as (initial_peers, servers):
+        servers.append(first := await start_server(initial_peers, stage=0))
+        servers.append(await start_server(initial_peers, stage=1))
+        loop = asyncio.get_running_loop()
+        sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
+        data = microbatches(load_corpus(max_bytes=1 << 16), 2, MODEL.max_seq_len, seed=0)
+        cfg = TrainerConfig(batch_size=2, max_steps=48, in_flight=2, discovery_period=0.5)
+        trainer = Trainer(cfg, MODEL, sdht, data)
+        # a connection of its own (channels of one process to one address share a connection by default)
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        hostile = grpc.aio.insecure_channel(first.record().address, options=options)
+        forward = hostile.stream_stream(f"/{SERVICE}/Forward", response_deserializer=pb.Frame.FromString)
+        stop = asyncio.Event()
+
+        async def walk_away() -> int:
+            taken = 0
+            while not stop.is_set():
+                tokens, _ = random_batch(MODEL, 2)
+                meta = pb.CallMeta(protocol_version=PROTOCOL_VERSION, microbatch_id=f"hostile-{taken}", stage=0)
+                request = list(iter_frames(meta, [encode_tensor("inputs", tokens, get_codec("none"))]))
+                try:
+                    [f async for f in forward(iter(request), timeout=10)]
+                    taken += 1
+                except grpc.aio.AioRpcError:  # refused: its share is taken
+                    await asyncio.sleep(0.05)
+            return taken
+
+        try:
+            training = asyncio.ensure_future(trainer.run(asyncio.Event()))
+            await wait_for_async(lambda: trainer.steps >= 8, 60, "the honest trainer's first microbatches")
+            attack = asyncio.ensure_future(walk_away())
+            started, steps = time.monotonic(), trainer.steps
+            longest, last, seen = 0.0, time.monotonic(), trainer.steps
+            while not training.done():
+                await asyncio.sleep(0.1)
+                if trainer.steps != seen:
+                    longest, last, seen = max(longest, time.monotonic() - last), time.monotonic(), trainer.steps
+                assert time.monotonic() - started < 90, f"{trainer.steps - steps} honest microbatches in 90 s"
+            stop.set()
+            taken = await attack
+            stats = training.result()
+            assert stats["lost_microbatches"] == 0 and taken > 0
+            print(
+                f"\nhostile admissions {taken}; honest microbatches {trainer.steps - steps}, longest stall {longest:.2f}s"
+            )
+            assert longest < 8.0, f"the honest trainer stalled {longest:.1f}s"
+        finally:
+            stop.set()
+            await hostile.close()
             sdht.shutdown()
