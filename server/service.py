@@ -100,7 +100,7 @@ MAX_READ_S = 120.0  # the longest a request may take to arrive
 # the longest a request may go without a frame (a chunk of CHUNK_BYTES: 2 MiB arrive in 30 s at 0.6 Mb/s)
 IDLE_READ_S = 30.0
 DRAIN_S = 5.0  # the longest a refused request is read on
-DRAINING = 4  # refused requests read on at once (swarm.protocol.drain)
+DRAINING = 16  # refused requests read on at once; up to 3 times as many wait for a slot (swarm.protocol.drain)
 MAX_STATUS_CHARS = 500  # status details travel in HTTP/2 trailers: a caller's oversized input must not make them fail
 LOSS_WINDOW = 20  # backwards averaged in the last stage's reported (recent) loss
 
@@ -353,8 +353,6 @@ class StageService:
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):
-        if self.paused is not None:
-            await refuse(context, grpc.StatusCode.UNAVAILABLE, self.paused)
         started = time.monotonic()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
@@ -362,17 +360,24 @@ class StageService:
         address = address_of(caller)
         held, from_address = self.calls_by_caller.get(caller, 0), self.calls_by_address.get(address, 0)
         share = self.guard.max_active_calls * self.guard.max_caller_share
-        if self.active_calls >= self.guard.max_active_calls:
-            self.requests_busy += 1
-            await refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.active_calls} calls in progress")
-        if held >= share or from_address >= min(self.guard.max_active_calls, ADDRESS_SHARE_FACTOR * share):
-            self.requests_busy += 1
+        turned_away = None
+        if self.paused is not None:
+            turned_away = grpc.StatusCode.UNAVAILABLE, self.paused
+        elif self.active_calls >= self.guard.max_active_calls:
+            turned_away = grpc.StatusCode.RESOURCE_EXHAUSTED, f"busy: {self.active_calls} calls in progress"
+        elif held >= share or from_address >= min(self.guard.max_active_calls, ADDRESS_SHARE_FACTOR * share):
             whose = "this caller" if held >= share else "this address"
-            await refuse(
-                context,
+            turned_away = (
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"busy: {max(held, from_address)} calls of {whose} in progress",
             )
+        if turned_away is not None:
+            # read on (dropping it) what the caller still sends, for its refusal to reach it (swarm.protocol.drain)
+            self.requests_busy += turned_away[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+            limits = self.schema.backward_limits if backward else self.schema.forward_limits
+            seconds = DRAIN_S if deadline is None else min(DRAIN_S, deadline - time.monotonic())
+            await self.drains.drain(raw_frames, 2 * limits.max_tensor_bytes + CHUNK_BYTES, seconds, self._arrived)
+            await refuse(context, *turned_away)
         worker, collab = self.worker, self.collab  # a move swaps them: this call finishes on the stage it began on
         self.active_calls += 1
         self.calls_by_caller[caller] = held + 1
@@ -557,7 +562,8 @@ class StageService:
         that sets no deadline, or sends a header and then nothing, holds the call for `max_read_s` at most, and
         IDLE_READ_S without a frame.
         A request refused while its caller is still sending is read on (up to about its legitimate size) so that the
-        caller gets the reason, not a failed write; DRAINING at a time, beyond that it is ended unread."""
+        caller gets the reason, not a failed write: DRAINING at a time, and up to 3 times as many waiting for a slot
+        (swarm.protocol.drain); beyond that it is ended unread."""
         read_for = self.max_read_s if deadline is None else min(self.max_read_s, deadline - time.monotonic())
         started = time.monotonic()
         try:

@@ -56,12 +56,17 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+MAX_STREAMS = 64  # calls open at once on one connection to a server (SERVER_OPTIONS)
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,
     # accept those pings: by default a server answers a client that pings more than once per 5 minutes without data
     # with GOAWAY ("too_many_pings") after two strikes
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
+    # calls open at once on one connection: more wait in the caller's gRPC until one ends. Each open call holds what
+    # gRPC buffered of it until it ends, and one refused while its caller still sends must be read on for the refusal
+    # to reach the caller (swarm.protocol.drain): a connection's refusals never outnumber what the drains take
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
 ]
 SERVICE = pb.DESCRIPTOR.services_by_name["Stage"].full_name  # "swarm.v1.Stage"
 

@@ -271,8 +271,31 @@ def test_a_stream_being_read_holds_budget_for_its_next_frame():
     assert budget.used == 0
 
 
-def test_at_most_so_many_refused_streams_are_drained_at_once():
-    drains, read = Drains(at_once=2), []
+def test_refused_streams_are_drained_so_many_at_once_and_the_rest_wait_their_turn_or_end_unread():
+    drains, read, reading, most = Drains(at_once=2, waiting=3), [], set(), [0]
+
+    async def stream(i: int, chunks: int):
+        for _ in range(chunks):
+            reading.add(i)
+            most[0] = max(most[0], len(reading))
+            read.append(i)
+            yield b"x" * 10
+            await asyncio.sleep(0.01)
+        reading.discard(i)
+
+    async def flood() -> float:
+        started = asyncio.get_running_loop().time()
+        # 2 read at once, 3 wait for a slot, the 6th and 7th find no room and are ended unread
+        await asyncio.gather(*(drains.drain(stream(i, 5), max_bytes=10**9, seconds=5) for i in range(7)))
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(flood()) < 2
+    assert most[0] == 2 and sorted(set(read)) == [0, 1, 2, 3, 4] and all(read.count(i) == 5 for i in range(5))
+    assert drains.running == drains.waiting == 0
+
+
+def test_a_drain_stops_at_its_bytes_and_a_waiting_stream_at_its_seconds():
+    drains, read = Drains(at_once=1), []
 
     async def endless(i: int):
         while True:
@@ -280,14 +303,18 @@ def test_at_most_so_many_refused_streams_are_drained_at_once():
             yield b"x" * 10
             await asyncio.sleep(0.01)
 
-    async def flood() -> float:
-        await asyncio.gather(*(drains.drain(endless(i), max_bytes=10**9, seconds=0.3) for i in range(5)))
-        started = asyncio.get_running_loop().time()
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        hog = asyncio.ensure_future(drains.drain(endless(0), max_bytes=10**9, seconds=0.5))
+        await asyncio.sleep(0.05)
+        await drains.drain(endless(1), max_bytes=10**9, seconds=0.1)  # no slot within 0.1 s: never read
+        await hog
+        started = loop.time()
         await drains.drain(endless(9), max_bytes=25, seconds=5)  # stops after 30 bytes, not after 5 s
-        return asyncio.get_running_loop().time() - started
+        return loop.time() - started
 
-    assert asyncio.run(flood()) < 1
-    assert set(read) == {0, 1, 9} and read.count(9) == 3 and drains.running == 0
+    assert asyncio.run(run()) < 1
+    assert 1 not in read and read.count(9) == 3 and drains.running == drains.waiting == 0
 
 
 def test_call_meta_strings_and_signatures_are_bounded():
