@@ -14,7 +14,7 @@ import hivemind
 
 from dht.node import start_dht
 from swarm.cli import add_config_file_arg, parse_args
-from swarm.net import SWARM_KEY_HELP
+from swarm.net import SWARM_KEY_HELP, check_ports_free
 from swarm.protocol import access
 from swarm.protocol.reach import ReachResponder
 
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_ports_free(args.host, {"--port": args.port})
         if args.new_swarm_key:
             access.SwarmKey.new().write(args.new_swarm_key)
         swarm_key = access.load(args.new_swarm_key or args.swarm_key)

@@ -27,6 +27,7 @@ from swarm.cli import (
     pipeline_model_from_args,
 )
 from swarm.devices import resolve_device
+from swarm.net import check_ports_free
 from swarm.protocol import access
 
 
@@ -47,12 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_start(cfg: ServerConfig) -> None:
+    """ValueError, naming the flag, for what would fail only after the DHT node started: a --port or --dht-port
+    already in use."""
+    net = cfg.network
+    check_ports_free(net.host, {"--port": net.port, "--dht-port": 0 if net.dht_no_listen else net.dht_port})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
     try:
         cfg, model_cfg = config_from_args(ServerConfig, args), pipeline_model_from_args(args)
         swarm_key = access.load(cfg.network.swarm_key)
+        check_start(cfg)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

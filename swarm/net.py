@@ -3,6 +3,7 @@ multiaddrs name the family ("/ip6/::1/tcp/5000")."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 
@@ -65,3 +66,44 @@ def listen_multiaddrs(host: str, port: int) -> list[str]:
     if ip_version(host) == 6 and is_unspecified(host):
         return [tcp_multiaddr("0.0.0.0", port), tcp_multiaddr("::", port)]
     return [tcp_multiaddr(host, port)]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on TCP `port` of `host` (an unspecified host: of any address). A gRPC listener (and
+    libp2p's, by default) sets SO_REUSEPORT: a second one on the same port starts, and the kernel splits connections;
+    this probe sets only SO_REUSEADDR (a port whose last server just ended, its connections in TIME_WAIT, is free), and
+    so conflicts with any listener. Racy by nature: it says a port is taken before a server starts, nothing more."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False  # a host we cannot resolve: the server's own bind says so
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+                s.listen(1)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """ValueError naming the flag if a port of `ports` (flag -> port; 0: any free port) is in use on `host`, out of
+    range, or shared by two flags. Call it before starting the servers that bind them: a busy port is refused at
+    start, in one line."""
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not 0 <= port < 65536:
+            raise ValueError(f"{flag} must be in [0, 65535], got {port}")
+        if not port:
+            continue
+        if port in seen:
+            raise ValueError(f"{seen[port]} and {flag} must differ, both are {port}")
+        seen[port] = flag
+        if port_in_use(host, port):
+            raise ValueError(
+                f"{flag} {port}: port {port} is in use on {host} (another swarm peer?): choose another, or 0 for any "
+                "free port"
+            )
