@@ -48,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_start(cfg: ServerConfig) -> None:
-    """ValueError, naming the flag, for what would fail only after the DHT node started: a --port or --dht-port
-    already in use."""
+def check_start(cfg: ServerConfig, n_stages: int) -> None:
+    """ValueError, naming the flag, for what would fail only after the DHT node started: a --stage the model does not
+    have, a --port or --dht-port already in use."""
+    if cfg.stage != "auto" and int(cfg.stage) >= n_stages:
+        raise ValueError(f"--stage {cfg.stage}: the model has {n_stages} stages (--n-stages), 0 to {n_stages - 1}")
     net = cfg.network
     check_ports_free(net.host, {"--port": net.port, "--dht-port": 0 if net.dht_no_listen else net.dht_port})
 
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, model_cfg = config_from_args(ServerConfig, args), pipeline_model_from_args(args)
         swarm_key = access.load(cfg.network.swarm_key)
-        check_start(cfg)
+        device = resolve_device(cfg.compute.device)
+        check_start(cfg, model_cfg.n_stages)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,7 +74,6 @@ def main(argv: list[str] | None = None) -> None:
             logging.getLogger(name).setLevel(logging.DEBUG)
     if cfg.compute.torch_threads > 0:
         torch.set_num_threads(cfg.compute.torch_threads)
-    device = resolve_device(cfg.compute.device)
     shared = settings(
         model=model_cfg.shared(),
         optimizer=cfg.optimizer,

@@ -149,6 +149,15 @@ def parse_hub_name(data: str) -> tuple[str, str | None]:
     return "/".join(parts[:2]), parts[2] if len(parts) == 3 else None
 
 
+def check_paths(data: str | None, tokenizer: str | None) -> None:
+    """ValueError naming the flag if `data` or `tokenizer` names a path that does not exist: said before the trainer
+    starts its DHT node, not once it opens them. A hub dataset is checked when it is streamed."""
+    if data is not None and not data.startswith("hf:") and not Path(data).exists():
+        raise ValueError(f"--data {data}: no such file or folder")
+    if tokenizer and not Path(tokenizer).is_file():
+        raise ValueError(f"--tokenizer {tokenizer}: no such file")
+
+
 def is_saved_dataset(path: Path) -> bool:
     """Whether `path` is a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
     return (path / "dataset_dict.json").is_file() or (

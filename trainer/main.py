@@ -25,7 +25,7 @@ from swarm.config import ModelConfig
 from swarm.net import check_ports_free
 from swarm.protocol import access
 from trainer.config import TrainerConfig
-from trainer.data import batches
+from trainer.data import batches, check_paths
 from trainer.trainer import Trainer
 
 logger = logging.getLogger("swarm.trainer")
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, model_cfg = config_from_args(TrainerConfig, args), pipeline_model_from_args(args)
         swarm_key = access.load(cfg.swarm_key)
+        check_paths(cfg.data, cfg.tokenizer)
         check_ports_free("127.0.0.1", {"--dht-port": cfg.dht_port})  # where its DHT node listens (start_dht)
     except ValueError as e:
         parser.error(str(e))

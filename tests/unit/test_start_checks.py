@@ -6,6 +6,7 @@ import socket
 
 import grpc
 import pytest
+import torch
 
 from dht.main import main as dht_main
 from server.main import main as server_main
@@ -62,3 +63,29 @@ def test_swarm_trainer_and_swarm_dht_refuse_a_port_in_use(grpc_port, capsys):
     assert line.startswith(f"swarm-trainer: error: --dht-port {grpc_port}: port {grpc_port} is in use"), line
     line = refusal(dht_main, ["--host", "127.0.0.1", "--port", str(grpc_port)], capsys)
     assert line.startswith(f"swarm-dht: error: --port {grpc_port}: port {grpc_port} is in use"), line
+
+
+@pytest.mark.timeout(60)
+def test_swarm_server_refuses_a_stage_the_model_does_not_have(capsys):
+    line = refusal(server_main, ["--preset", "local_debug", "--stage", "3"], capsys)
+    assert line == "swarm-server: error: --stage 3: the model has 3 stages (--n-stages), 0 to 2"
+    line = refusal(server_main, ["--n-stages", "2", "--stage", "2"], capsys)
+    assert line == "swarm-server: error: --stage 2: the model has 2 stages (--n-stages), 0 to 1"
+
+
+@pytest.mark.timeout(60)
+def test_swarm_server_refuses_a_device_this_machine_does_not_have(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = refusal(server_main, ["--device", "cuda"], capsys)
+    assert line == "swarm-server: error: --device cuda: CUDA is not available on this machine"
+    line = refusal(server_main, ["--device", "gpu"], capsys)
+    assert line == "swarm-server: error: --device gpu: not a device; give auto, cpu, cuda or cuda:N"
+
+
+@pytest.mark.timeout(60)
+def test_swarm_trainer_refuses_a_missing_data_or_tokenizer_file(tmp_path, capsys):
+    missing = tmp_path / "corpus.txt"
+    line = refusal(trainer_main, ["--data", str(missing)], capsys)
+    assert line == f"swarm-trainer: error: --data {missing}: no such file or folder"
+    line = refusal(trainer_main, ["--tokenizer", str(tmp_path / "tok.json")], capsys)
+    assert line == f"swarm-trainer: error: --tokenizer {tmp_path / 'tok.json'}: no such file"
