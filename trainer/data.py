@@ -44,6 +44,39 @@ SHUFFLE_WINDOWS = 1024  # tokenized sequences pooled; each microbatch draws its 
 HUB_SHUFFLE_BUFFER = 10_000  # records in a streamed hub dataset's shuffle buffer
 
 
+# files that are not text, or text in a structure (JSON, tables) that byte-level training would learn as such: refused
+# as a --data file, rather than read as bytes
+DATASET_SUFFIXES = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}  # -> `datasets` builder
+ARCHIVE_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".7z")
+ACCEPTED = (
+    "--data takes a text file, a folder of text files, a folder written by `datasets`' save_to_disk, or a hub "
+    "dataset hf:OWNER/NAME"
+)
+
+
+def check_text_file(path: Path) -> None:
+    """ValueError naming --data if the file `path` is, by its name, a dataset file or an archive rather than text; it
+    says what --data takes, and how to convert the file."""
+    suffix = path.suffix.lower()
+    if builder := DATASET_SUFFIXES.get(suffix):
+        folder = path.with_suffix("")
+        raise ValueError(
+            f"--data {path}: a {suffix} file would be trained on as raw bytes, not read as records. {ACCEPTED}. "
+            f"Save it as a dataset folder: python -c \"import datasets; datasets.load_dataset('{builder}', "
+            f"data_files='{path}', split='train').save_to_disk('{folder}')\", then give --data {folder} "
+            "(--data-column: the field holding the text)"
+        )
+    if suffix in ARCHIVE_SUFFIXES:
+        raise ValueError(
+            f"--data {path}: a {suffix} archive would be trained on as compressed bytes. {ACCEPTED}: unpack it first"
+        )
+
+
 def _files_under(root: Path) -> Iterator[Path]:
     """The files under `root`, not descending into site-packages (installed packages, not the standard library):
     a trainer's start reads the standard library, and listing and stat-ing a site-packages of tens of thousands of
@@ -84,6 +117,7 @@ def load_corpus(path: str | None = None, max_bytes: int = FOLDER_MAX_BYTES) -> t
         if not p.exists():
             raise FileNotFoundError(f"--data {path}: no such file or folder")
         if p.is_file():
+            check_text_file(p)
             size = p.stat().st_size
             if size < MIN_CORPUS_BYTES:
                 raise ValueError(f"--data {path} has only {size} bytes of text")
@@ -150,10 +184,14 @@ def parse_hub_name(data: str) -> tuple[str, str | None]:
 
 
 def check_paths(data: str | None, tokenizer: str | None) -> None:
-    """ValueError naming the flag if `data` or `tokenizer` names a path that does not exist: said before the trainer
-    starts its DHT node, not once it opens them. A hub dataset is checked when it is streamed."""
-    if data is not None and not data.startswith("hf:") and not Path(data).exists():
-        raise ValueError(f"--data {data}: no such file or folder")
+    """ValueError naming the flag if `data` or `tokenizer` names a path that does not exist, or `data` a file that is
+    not text (`check_text_file`): said before the trainer starts its DHT node, not once it opens them. A hub dataset
+    is checked when it is streamed."""
+    if data is not None and not data.startswith("hf:"):
+        if not Path(data).exists():
+            raise ValueError(f"--data {data}: no such file or folder")
+        if Path(data).is_file():
+            check_text_file(Path(data))
     if tokenizer and not Path(tokenizer).is_file():
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
 

@@ -197,3 +197,27 @@ def test_hub_datasets_are_streamed(monkeypatch, tokenizer_file):
     assert calls == [("owner/name", "cfg", "train", True)]
     with pytest.raises(ValueError, match=r"--data-column 'body'.*\['text'\]"):
         batches("hf:owner/name", batch_size=2, seq_len=8, seed=0, vocab_size=256, column="body")
+
+
+def test_a_dataset_file_is_refused_with_how_to_convert_it_and_the_way_it_says_works(tmp_path, monkeypatch):
+    """A .jsonl was trained on as raw bytes, JSON syntax and all. Now it is refused; the message's conversion, run as
+    given, makes a folder that `batches` reads as records of its "text" field."""
+    import json
+    import re
+
+    import datasets
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": s, "id": i}) + "\n" for i, s in enumerate(sentences(300))))
+    with pytest.raises(ValueError, match=r"a \.jsonl file would be trained on as raw bytes") as refused:
+        batches(str(path), batch_size=2, seq_len=16, seed=0, vocab_size=256)
+    assert "--data takes a text file, a folder of text files" in str(refused.value)
+    code, folder = re.search(r'python -c "(.+)", then give --data (\S+)', str(refused.value)).groups()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    exec(code)
+    tokens, _ = next(batches(folder, batch_size=2, seq_len=16, seed=0, vocab_size=256))
+    assert not (tokens == ord("{")).any()  # the text field, not the JSON
+    for name in ("data.parquet", "data.arrow", "data.json", "corpus.txt.gz", "corpus.zip"):
+        (tmp_path / name).write_bytes(b"x" * 2048)
+        with pytest.raises(ValueError, match=f"--data {tmp_path / name}: a "):
+            load_corpus(str(tmp_path / name))

@@ -89,3 +89,11 @@ def test_swarm_trainer_refuses_a_missing_data_or_tokenizer_file(tmp_path, capsys
     assert line == f"swarm-trainer: error: --data {missing}: no such file or folder"
     line = refusal(trainer_main, ["--tokenizer", str(tmp_path / "tok.json")], capsys)
     assert line == f"swarm-trainer: error: --tokenizer {tmp_path / 'tok.json'}: no such file"
+
+
+@pytest.mark.timeout(60)
+def test_swarm_trainer_refuses_a_data_file_that_is_not_text(tmp_path, capsys):
+    path = tmp_path / "corpus.parquet"
+    path.write_bytes(b"PAR1" * 512)
+    line = refusal(trainer_main, ["--data", str(path)], capsys)
+    assert line.startswith(f"swarm-trainer: error: --data {path}: a .parquet file would be trained on as raw bytes")
