@@ -596,10 +596,17 @@ def main(argv: list[str] | None = None) -> None:
             write_config_file(args.write_config, config_values(cfg))
         except OSError as e:
             parser.error(f"--write-config {args.write_config}: {e.strerror or e}")
-    stop = threading.Event()
+    stop, signals = threading.Event(), []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     run(cfg, stop)
+    if signals:  # stopped, not done: the shell's 128 + the signal, 130 after Ctrl+C
+        sys.exit(128 + signals[0])
 
 
 if __name__ == "__main__":

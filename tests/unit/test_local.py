@@ -1,8 +1,12 @@
 """swarm-local's configuration, and the pipeline every command needs (pure; the launcher itself runs in
 test_integration.py and test_rebalance_live.py)."""
 
+import os
+import signal
+
 import pytest
 
+import tools.local
 from tools.local import LocalConfig, main
 
 
@@ -35,3 +39,26 @@ def test_a_one_stage_swarm_is_refused_at_start_with_the_reason(command, argv, ca
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "must be >= 2" in err and "stage 0 admits microbatches on their Forward" in err, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_run_stopped_by_a_signal_exits_128_plus_it(monkeypatch, sig, code):
+    """Ctrl+C stops the swarm as the end of a run does, but the exit status says it was stopped (it was 0)."""
+
+    def run_until_stopped(cfg, stop):
+        os.kill(os.getpid(), sig)
+        assert stop.wait(5)
+        return {}
+
+    monkeypatch.setattr(tools.local, "run", run_until_stopped)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main([])
+        assert exited.value.code == code
+        monkeypatch.setattr(tools.local, "run", lambda cfg, stop: {})
+        main([])  # a run that ends by itself returns: status 0
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
