@@ -17,13 +17,16 @@ Then, for each simple command:
   checked as above;
 - `pytest` (or `python -m pytest`) must be given paths that exist.
 Every relative link (`[text](path)`, `![alt](path)`, `[label]: path`) must point at a file or folder that exists, and a
-`#fragment` at a heading of the Markdown file it names (GitHub's anchors). Each checker is also shown failing, on a
-temporary copy of the README with a mistake put in (the `*_is_caught` tests).
+`#fragment` at a heading of the Markdown file it names (GitHub's anchors). Every `swarm_server_*`/`swarm_trainer_*`
+metric must be one server/metrics.py or trainer/metrics.py exports, and every `docker-compose*.yml` a file of
+deploy/. Each checker is also shown failing, on a temporary copy of the README with a mistake put in (the `*_is_caught`
+tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import functools
 import importlib
@@ -284,6 +287,48 @@ def link_problems(text: str, base: Path) -> list[str]:
     return problems
 
 
+METRIC = re.compile(r"\bswarm_(?:server|trainer)_[a-z0-9_]*[a-z0-9]")
+COMPOSE_FILE = re.compile(r"\bdocker-compose[\w.-]*\.ya?ml\b")
+
+
+@functools.cache
+def exported_metrics() -> frozenset[str]:
+    """The metric names the server and the trainer export, read from the `Families` calls in their metrics modules:
+    `f.gauge(NAME, ...)` is `swarm_NAME`, `f.counter(NAME, ...)` `swarm_NAME_total` (Prometheus adds the suffix),
+    `f.traffic(NAME, ...)` `swarm_NAME_bytes_total` (swarm/metrics.py)."""
+    suffix = {"gauge": "", "counter": "_total", "traffic": "_bytes_total"}
+    names = set()
+    for module in ("server/metrics.py", "trainer/metrics.py"):
+        for node in ast.walk(ast.parse((ROOT / module).read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in suffix
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                names.add(f"swarm_{node.args[0].value}{suffix[node.func.attr]}")
+    return frozenset(names)
+
+
+def metric_problems(text: str) -> list[str]:
+    """Metric names in `text` that neither the server nor the trainer exports."""
+    problems = []
+    for name in sorted(set(METRIC.findall(text)) - exported_metrics()):
+        near = difflib.get_close_matches(name, exported_metrics(), n=1)
+        problems.append(f"metric {name}: not exported" + (f" (did you mean {near[0]}?)" if near else ""))
+    return problems
+
+
+def compose_file_problems(text: str) -> list[str]:
+    """Compose files named in `text` that deploy/ does not hold."""
+    return [
+        f"{name}: no such file in deploy/"
+        for name in sorted(set(COMPOSE_FILE.findall(text)))
+        if not (ROOT / "deploy" / name).is_file()
+    ]
+
+
 def test_the_reference_pages_are_generated_from_the_current_parsers():
     stale = docs_reference.stale(docs_reference.REFERENCE, docs_reference.pages())
     assert not stale, f"stale pages in docs/reference: {stale}; run python -m tools.docs_reference"
@@ -383,3 +428,22 @@ def test_github_anchors():
     text = "# SWARM\n## A real swarm, across machines\n## `--stage auto`\n## Tied embeddings\n## Tied embeddings\n"
     expected = {"swarm", "a-real-swarm-across-machines", "--stage-auto", "tied-embeddings", "tied-embeddings-1"}
     assert anchors(text) == expected
+
+
+@pytest.mark.parametrize("doc", WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_metric_and_compose_file_a_page_names_exists(doc):
+    text = doc.read_text()
+    assert metric_problems(text) + compose_file_problems(text) == []
+
+
+def test_metric_names_come_from_the_code_and_a_wrong_one_or_a_missing_compose_file_is_caught():
+    assert {"swarm_server_state", "swarm_server_moves_total", "swarm_server_pipeline_bytes_total"} <= exported_metrics()
+    assert {"swarm_trainer_loss", "swarm_trainer_retries_total"} <= exported_metrics()
+    text = README.read_text() + (
+        '\nAlert on `swarm_trainer_lost_microbatches` and `swarm_server_requests_rejected_total{role="x"}`; run '
+        "`docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.gpu.yml up`.\n"
+    )
+    assert metric_problems(text) + compose_file_problems(text) == [
+        "metric swarm_trainer_lost_microbatches: not exported (did you mean swarm_trainer_lost_microbatches_total?)",
+        "docker-compose.gpu.yml: no such file in deploy/",
+    ]
