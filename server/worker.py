@@ -196,6 +196,9 @@ class StageWorker:
         self.samples_accumulated = 0  # towards the current epoch
         self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
         self.samples_late = 0  # in the current epoch's gradients but not its count: microbatches of ended epochs
+        # the samples behind the gradients this peer took for its epochs' steps, in all and the most at once: summed
+        # over a stage's peers and divided by its epoch, what a global batch held (--samples-per-step, exactly)
+        self.step_samples = self.largest_step_samples = 0
         # stage 0's admissions (opaque here) of the microbatches behind those three counts: what a peer shows the
         # stage to prove the samples it holds (server/collab/served.py)
         self.served: list = []
@@ -354,6 +357,8 @@ class StageWorker:
         """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh.
         `end_epoch`: the next backward counts towards the next epoch (delayed steps: the step comes later)."""
         n = self.samples_accumulated + self.samples_late
+        self.step_samples += n
+        self.largest_step_samples = max(self.largest_step_samples, n)
         grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
         for p, early in zip(self.params, self._next_grads, strict=True):
             p.grad = early

@@ -30,13 +30,13 @@ from swarm.metrics import serve_metrics
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
 from swarm.tasks import Overlapping
+from swarm.vetting import Vetting
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.deadlines import CallDeadlines
 from trainer.metrics import fill_trainer_metrics
 from trainer.routing import StageRouter
 from trainer.schedule import MicrobatchResult, train_microbatch
-from trainer.vetting import Vetting
 
 logger = logging.getLogger("swarm.trainer")
 ADMISSION_RETRY_S = 0.05  # after every peer of stage 0 refused a Forward for lack of room in the global batch

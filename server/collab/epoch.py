@@ -133,7 +133,7 @@ class StageCollaboration:
             self.tied.averager.max_total_weight = float(2 * self._epoch_total())
         self.peers = StagePeers(sdht, stage, network.peer_timeout)
         self.averaging.restrict_to(self.peers.members)  # strangers under the stage's prefix never join a round
-        self.tickets = Tickets(sdht, network.peer_timeout)
+        self.tickets = Tickets(sdht, network.peer_timeout, vet=stage != 0)
         self.served = Served(self.tickets)  # a peer's part weighs what its admissions prove (served.py)
         self.peers.believed = lambda: rules.shown(self.view())  # as far as stage 0's admissions show
         self.peers.shown_limit = lambda trusted: rules.shown_limit(self.view(), trusted)
@@ -265,6 +265,7 @@ class StageCollaboration:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         await self.peers.close()
+        await self.tickets.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._tied_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.averaging.shutdown)
@@ -297,8 +298,8 @@ class StageCollaboration:
         from a peer we have not listed yet waits for a DHT read, shared by concurrent messages, at most four a
         second), or with a count no peer can have reached."""
         reason = self.peers.forged(msg)
-        if reason is None and self.peers.unlisted(msg):
-            await self._lookup()
+        if reason is None and msg.peer_id not in self.peers.held and self.peers.unlisted(msg):
+            await self._lookup()  # not for a held peer: listed, and a stranger's messages must not drive our reads
         reason = reason or self.peers.unlisted(msg)
         if reason is not None:
             raise ProgressRefused(reason)

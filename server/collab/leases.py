@@ -9,10 +9,15 @@ the batch (and so the whole swarm) until --admission-timeout. So each admission 
   (to whoever asks next), and the batch is complete without it;
 - while another caller waits for room (it found the open batches full lately), a caller holds at most its share of
   them (split evenly among the callers that asked lately), halved for each of its leases that ran out in the last
-  ACTIVE_S without one coming back since: one that takes admissions and walks away gets a microbatch now and then,
-  and costs the batch a lease's wait each time. With nobody waiting, a caller may take the whole batch whatever ran
-  out (a lone trainer whose microbatches were stuck behind a frozen peer must not lock itself out), and a penalty
-  lapses ACTIVE_S after the lease that earned it.
+  PENALTY_S beyond those of the least penalized caller that waits, less one for each FORGIVEN_AFTER of its
+  admissions that came back since: one that takes admissions and walks away gets a microbatch now and then, and
+  costs the batch a lease's wait each time, and one that completes two for each it drops does no better
+  (`python -m tests.benchmarks.soak_hostile`: such a caller kept its whole share when a completed admission wiped
+  its record, and got 22 walk-aways in 5 minutes with a 60 s memory and no forgiving); an honest trainer whose
+  microbatches ran out behind a frozen peer earns its share back within a few dozen microbatches. The penalty is relative: when a frozen peer made every trainer's leases run out alike, they share the
+  batch evenly (an absolute one would hold them all back at once, and nobody would be admitted). With nobody
+  waiting, a caller may take the whole batch whatever ran out (a lone trainer whose microbatches were stuck behind a
+  frozen peer must not lock itself out).
 A Backward that comes after its lease ran out is computed as any late microbatch is; the lease's length (a multiple of
 its caller's own slowest round trips) makes that rare.
 
@@ -24,12 +29,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LEASE_FACTOR = 4.0  # a lease lasts this many times its caller's slow round trips
-MIN_LEASE_S = 2.0
+MIN_LEASE_S = 1.0  # what a lease lasts at least: a walk-away costs the batch this long at the least
 ROUND_TRIPS = 32  # round trips kept per caller
 ACTIVE_S = 10.0  # a caller that asked (or waited) for an admission this recently shares the batch (or waits)
+PENALTY_S = 600.0  # a lease that ran out counts against its caller this long, unless it earns it back:
+FORGIVEN_AFTER = 16  # ... one of them is forgiven for each so many of its admissions that came back since
+MAX_PENALTY = 30  # run-out leases remembered per caller: its share is halved so many times at most
 MAX_CALLERS = 1024  # callers remembered (the least recent forgotten first)
 MAX_LEASES = 1 << 16
 
@@ -48,8 +56,8 @@ class _Caller:
     round_trips: deque[float]
     asked: float = -math.inf  # when it last asked for an admission
     waited: float = -math.inf  # when it last found the open batches full
-    expired: int = 0  # its leases that ran out since its last completed one
-    expired_at: float = -math.inf  # when the last of them ran out
+    expired: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_PENALTY))  # when its leases ran out
+    credit: int = 0  # its admissions that came back since a run-out was last forgiven
 
 
 class Leases:
@@ -71,11 +79,12 @@ class Leases:
     def share(self, caller: str, quota: int, now: float, n: int = 1) -> int:
         """The samples of the open batches `caller` may hold now, asking for `n` more (see the module)."""
         own = self._callers.get(caller)
-        if not any(now - c.waited <= ACTIVE_S for c in self._callers.values() if c is not own):
+        waiting = [c for c in self._callers.values() if c is not own and now - c.waited <= ACTIVE_S]
+        if not waiting:
             return quota
         active = sum(1 for c in self._callers.values() if now - c.asked <= ACTIVE_S)
-        expired = 0 if own is None or now - own.expired_at > ACTIVE_S else own.expired
-        return quota // max(active, 1) >> min(expired, 30)
+        worse = 0 if own is None else _penalty(own, now) - min(_penalty(c, now) for c in waiting)
+        return quota // max(active, 1) >> max(worse, 0)
 
     def holds(self, caller: str) -> int:
         """Samples of `caller`'s admissions out now."""
@@ -101,7 +110,10 @@ class Leases:
             return
         caller = self._caller(lease.caller)
         caller.round_trips.append(now - lease.granted)
-        caller.expired = 0
+        caller.credit += 1
+        if caller.credit >= FORGIVEN_AFTER and caller.expired:
+            caller.expired.popleft()
+            caller.credit = 0
 
     def released(self, key: tuple) -> None:
         """Admission `key` failed before it was computed (its Forward): no lease."""
@@ -114,7 +126,8 @@ class Leases:
         for key in out:
             lease = self._leases.pop(key)
             caller = self._caller(lease.caller)
-            caller.expired, caller.expired_at = caller.expired + 1, now
+            caller.expired.append(now)
+            caller.credit = 0  # what came back before does not pay for it
             gone.append((lease.batch, lease.samples))
         return gone
 
@@ -133,6 +146,10 @@ class Leases:
         while len(self._callers) > MAX_CALLERS:
             self._callers.popitem(last=False)
         return c
+
+
+def _penalty(caller: _Caller, now: float) -> int:
+    return sum(1 for t in caller.expired if now - t <= PENALTY_S)
 
 
 def _p90(values: deque[float]) -> float:

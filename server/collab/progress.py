@@ -57,6 +57,10 @@ class StagePeers:
         self._unreachable: dict[str, float] = {}
         self._misses: dict[str, int] = {}  # peers we never heard from -> Progress messages in a row they missed
         self._answered: set[str] = set()  # peers that took a Progress of ours (with those we heard from: the group)
+        # peers that ever took one at the address their record gives: one of them that speaks while held is a frozen
+        # or cut-off peer come back; any other may be a record at an address nobody serves, whose owner speaks from
+        # elsewhere (it stays held: speaking brought it back, each of our messages to it failed, ~3 a second)
+        self._reached: set[str] = set()
         self.held: dict[str, str] = {}
         self._channels = Channels(sdht.p2p)
         self.p2p_ids: dict[str, str] = {}  # peer id -> libp2p id, from their records (state downloads address those)
@@ -93,10 +97,12 @@ class StagePeers:
         stage peer at the address its record gives."""
         if msg.peer_id in self.pending:
             self.peers[msg.peer_id] = self.pending.pop(msg.peer_id)
-        if msg.peer_id in self.held:  # it speaks again: it was frozen, or its link was down
+        if msg.peer_id in self.held and msg.peer_id in self._reached:  # it speaks again: frozen, or its link was down
             logger.info("stage peer %s answers again; back in the group", self.held[msg.peer_id])
             self.peers[msg.peer_id] = self.held.pop(msg.peer_id)
             self._unreachable.pop(msg.peer_id, None)
+        if msg.peer_id in self.held:
+            return f"progress: {msg.peer_id}'s address on stage {self.stage} ({self.held[msg.peer_id]}) did not answer"
         if msg.peer_id not in self.peers:
             return f"progress: {msg.peer_id} is not listed on stage {self.stage} (yet)"
         return None
@@ -105,6 +111,7 @@ class StagePeers:
         """A listed peer took a Progress of ours: it serves where its record says (it may join our rounds)."""
         if peer_id in self.peers:
             self._answered.add(peer_id)
+            self._reached.add(peer_id)
             self._misses.pop(peer_id, None)
 
     def heard_from(self, peer_id: str) -> bool:
@@ -162,6 +169,7 @@ class StagePeers:
         self.recovering &= set(self.peers)
         self._answered &= set(self.peers)
         self._misses = {p: n for p, n in self._misses.items() if p in listed or p in self._unreachable}
+        self._reached &= set(self.peers) | set(self.held)
 
     async def broadcast(
         self,
@@ -279,6 +287,8 @@ class StagePeers:
         if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # alive, and has not read our record yet
             logger.debug("stage peer %s does not list us yet", address)
             return False
+        if peer_id not in self.peers:  # another message's failure dropped it already
+            return True
         logger.info("stage peer %s unreachable (%s); dropping it from the group", address, e.code().name)
         if self.heard_from(peer_id):
             self._drop(peer_id, address, UNREACHABLE_HOLD_S)

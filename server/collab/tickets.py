@@ -12,7 +12,9 @@ and again, and a stage's step would absorb many times its global batch.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -23,12 +25,14 @@ from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
 from server.collab import rules
 from swarm.protocol import wire_pb2 as pb
-from swarm.protocol.rpc import PROTOCOL_VERSION
+from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
+from swarm.vetting import Vetting
 
 logger = logging.getLogger(__name__)
 MAX_SIGNERS = 1024  # stage-0 keys remembered (a peer that left: its microbatches in flight still verify)
 MAX_SPENT = 1 << 16  # tickets remembered as spent (a global batch of 1024 microbatches, 64 times over)
 READ_INTERVAL_S = 0.25  # the most often tickets from an unknown signer make us read stage 0's records
+PROBE_S = 5.0  # a stage-0 signer's server answers its Info within this
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,10 @@ def _check_form(meta: pb.CallMeta, backward: bool) -> bool:
 class Tickets:
     """Signs this peer's admissions (stage 0) and checks the tags of calls against stage 0's keys. Event loop."""
 
-    def __init__(self, sdht: SwarmDHT, timeout: float):
-        self.sdht = sdht
+    def __init__(self, sdht: SwarmDHT, timeout: float, vet: bool = False):
+        """`vet`: a signer counts only once its server answered as it (stages past 0; stage 0 checks no other
+        stage-0 peer's admission in a call)."""
+        self.sdht, self.vet = sdht, vet
         self.signers: OrderedDict[str, bytes] = OrderedDict()  # stage-0 peer id -> its public key
         self._read = ThrottledRead(self._refresh, READ_INTERVAL_S, timeout)
         self.spent: OrderedDict[tuple, None] = OrderedDict()  # tickets a Backward here has used
@@ -114,6 +120,13 @@ class Tickets:
         # proof that stage 0 has finished every epoch before its `admitted_at` (epoch.py `_may_end`)
         self.latest: pb.Admission | None = None
         self.shown: dict[str, int] = {}  # stage-0 signer -> the latest `admitted_at` verified from it
+        # past stage 0, a signer counts once the server at its record's address answered Info as it, on stage 0
+        # (swarm/vetting.py): anyone may list a record, and a signed stage-0 record at an address nobody serves had its
+        # admissions' microbatches computed and accumulated here, steps of more samples than stage 0 admitted
+        self.vetting = Vetting()
+        self.addresses: dict[str, str] = {}  # stage-0 signer -> its record's address, at our last read
+        self._channels: Channels | None = None  # opened by the first probe
+        self._probes: dict[str, asyncio.Task] = {}  # signer -> its probe in flight
 
     @property
     def latest_at(self) -> int:
@@ -184,6 +197,10 @@ class Tickets:
         admission = admission_of(meta, samples)
         if not self.verified(admission):
             raise TicketRefused("admission: the signature does not match this microbatch, its samples or its batch")
+        if not await self.vetted(meta.admitted_by):
+            raise TicketUnchecked(
+                f"behind: stage-0 signer {meta.admitted_by[-6:]} has not answered as itself at its record's address yet"
+            )
         self.witness(admission)
         if backward:
             ticket = ticket_key(meta)
@@ -207,9 +224,57 @@ class Tickets:
         that may list a stage-0 peer that joined since our last read (`ThrottledRead.since`)."""
         await self._read.since(since, timeout)
 
+    async def vetted(self, signer: str) -> bool:
+        """Whether `signer`'s admissions count here: it is us, or its server answered as it. A signer being probed
+        (just listed: a new stage-0 peer) is waited for, up to PROBE_S; one whose probe failed is not, until its next
+        probe is due (swarm/vetting.py)."""
+        if not self.vet or signer == self.sdht.peer_id or self.vetting.vetted(signer):
+            return True
+        self._probe_due()
+        probe = self._probes.get(signer)
+        if probe is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(probe), PROBE_S)
+        return self.vetting.vetted(signer)
+
+    def _probe_due(self) -> None:
+        for peer_id in self.vetting.listed(self.addresses):
+            task = asyncio.ensure_future(self._probe(peer_id, self.addresses[peer_id]))
+            self._probes[peer_id] = task  # asyncio keeps only weak references to tasks
+            task.add_done_callback(functools.partial(self._probe_done, peer_id))
+
+    def _probe_done(self, peer_id: str, task: asyncio.Task) -> None:
+        if self._probes.get(peer_id) is task:
+            del self._probes[peer_id]
+
+    async def _probe(self, peer_id: str, address: str) -> None:
+        if self._channels is None:
+            self._channels = Channels(self.sdht.p2p)
+        try:
+            reply = await self._channels.stub(address).info(pb.InfoRequest(), timeout=PROBE_S)
+            ok = reply.peer_id == peer_id and reply.stage == 0
+        except Exception as e:  # unreachable, frozen, garbage: its admissions do not count yet
+            logger.debug("stage-0 signer %s at %s did not answer as itself: %r", peer_id[-6:], address, e)
+            ok = False
+        self.vetting.answered(peer_id, address, ok)
+
+    async def close(self) -> None:
+        probes = list(self._probes.values())
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        if self._channels is not None:
+            await self._channels.close()
+
     async def _refresh(self) -> None:
-        for entry in await self.sdht.discover(0, include_pending=True):
+        entries = await self.sdht.discover(0, include_pending=True)
+        for entry in entries:
             self._remember(entry.peer_id, entry.public_key)
+        if self.vet:
+            # a signer that left stays vetted while we remember its key: its microbatches in flight still count
+            self.addresses.update({e.peer_id: e.record.address for e in entries})
+            self.addresses = {p: a for p, a in self.addresses.items() if p in self.signers}
+            self._probe_due()  # a new stage-0 peer is vetted before its first admission reaches us
 
     def _remember(self, peer_id: str, public_key: bytes) -> None:
         self.signers[peer_id] = public_key

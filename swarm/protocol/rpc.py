@@ -67,6 +67,9 @@ SERVER_OPTIONS = [
     # gRPC buffered of it until it ends, and one refused while its caller still sends must be read on for the refusal
     # to reach the caller (swarm.protocol.drain): a connection's refusals never outnumber what the drains take
     ("grpc.max_concurrent_streams", MAX_STREAMS),
+    # a second server given a port in use fails to bind it instead of sharing it (gRPC sets SO_REUSEPORT by default:
+    # two servers on one port each got half the calls, of another stage's trainers too)
+    ("grpc.so_reuseport", 0),
 ]
 SERVICE = pb.DESCRIPTOR.services_by_name["Stage"].full_name  # "swarm.v1.Stage"
 

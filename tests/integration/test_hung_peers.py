@@ -22,12 +22,12 @@ from server.collab.progress import StagePeers
 from server.stage_server import MAX_ANNOUNCES_IN_FLIGHT, PeerState, StageServer
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS, StageStub, aio_channel
+from swarm.vetting import Vetting
 from tests.peers import stage_servers, start_server, wait_for_async
 from tests.stages import hanging_stage_server
 from tests.unit.test_hung_peers import ListingDHT
 from trainer.routing import StageRouter
 from trainer.trainer import MAX_LOOKUPS_IN_FLIGHT, Trainer
-from trainer.vetting import Vetting
 
 
 @pytest.mark.timeout(30)

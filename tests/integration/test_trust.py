@@ -31,9 +31,10 @@ pytestmark = pytest.mark.timeout(120)
 
 async def test_a_strangers_admission_far_ahead_moves_no_stage():
     """A stranger announces a signed stage-0 record (what any volunteer does), signs an admission 1000 epochs ahead
-    and sends stage 1 a Backward carrying it: the call is served (the stranger's microbatch is as good as anyone's),
-    and stage 1 stays at stage 0's epoch. Before, stage 1 jumped 1000 epochs, and the real admissions never ended an
-    epoch after that."""
+    and sends stage 1 a Backward carrying it. Its record's address serves nothing: the call is UNAVAILABLE ("behind")
+    and nothing is computed. Had it served stage 0 there (vetted), its microbatch is served as anyone's, and stage 1
+    stays at stage 0's epoch. Before, stage 1 computed it and jumped 1000 epochs, and the real admissions never ended
+    an epoch after that."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
         servers.append(last := await start_server(initial_peers, stage=1))
@@ -45,11 +46,19 @@ async def test_a_strangers_admission_far_ahead_moves_no_stage():
             for i in range(3):  # real work: stage 1 computes microbatches stage 0 admitted
                 ticket = await admitted(client, first, f"mb-{i}")
                 await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ticket, f"mb-{i}")))
-            epoch = last.service.worker.epoch
+            epoch, processed = last.service.worker.epoch, last.service.worker.samples_processed
             lie = signed_by(stranger.identity, "mb-lie", epoch, epoch + 1000)
+            with pytest.raises(grpc.aio.AioRpcError, match="has not answered as itself") as refused:
+                await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(lie, "mb-lie")))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert stranger.peer_id in last.collab.tickets.signers, "it was listed"
+            assert (last.service.worker.epoch, last.service.worker.samples_processed) == (epoch, processed)
+            # had its address answered as it (a stranger that serves stage 0), the frontier holds the stage
+            tickets = last.collab.tickets
+            tickets.vetting.listed({stranger.peer_id: tickets.addresses[stranger.peer_id]})
+            tickets.vetting.answered(stranger.peer_id, tickets.addresses[stranger.peer_id], True)
             await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(lie, "mb-lie")))
             assert last.service.worker.epoch == epoch, "the stranger's word moved the stage"
-            assert stranger.peer_id in last.collab.tickets.signers, "it was listed, and its admission verified"
         finally:
             await client.close()
             stranger.shutdown()
@@ -57,7 +66,7 @@ async def test_a_strangers_admission_far_ahead_moves_no_stage():
 
 async def told_until_taken(address: str, msg: pb.StageProgress, timeout: float = 20.0) -> None:
     """Send a Progress until the peer takes it (it refuses one from a peer it has not listed yet: its DHT read is
-    throttled)."""
+    throttled), or refuses it for good: the sender's record's address did not answer the peer's own Progress."""
     deadline = time.monotonic() + timeout
     async with aio_channel(address) as channel:
         while True:
@@ -65,6 +74,8 @@ async def told_until_taken(address: str, msg: pb.StageProgress, timeout: float =
                 await StageStub(channel).progress(msg, timeout=10)
                 return
             except grpc.aio.AioRpcError as e:
+                if "did not answer" in (e.details() or ""):
+                    return
                 if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)

@@ -46,8 +46,10 @@ class ListingDHT:
 @pytest.mark.timeout(30)
 async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_speaks():
     """The DHT keeps listing a frozen peer until its record expires; a DHT read must not bring it back into the group
-    (a round would wait for it again), but a message from it must. A peer never heard from is held out too, briefly
-    at first (it may still be starting), then ever longer (a record at an address nobody serves)."""
+    (a round would wait for it again), but a message from it must, if it once took one of ours there. A peer never
+    heard from is held out too, briefly at first (it may still be starting), then ever longer (a record at an address
+    nobody serves), and one that speaks but was never reached at its record's address stays held (its owner may speak
+    from elsewhere)."""
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: the Progress fails at once (UNAVAILABLE)
     peers = StagePeers(ListingDHT({"frozen": dead}), stage=1, peer_timeout=1.0)
     await peers.refresh()
@@ -63,7 +65,15 @@ async def test_a_peer_progress_cannot_reach_stays_out_of_the_group_until_it_spea
         assert peers.peers == {"frozen": dead}
     first, _ = UNHEARD_HOLD_S
     assert [round(h / first) for h in holds] == [1, 2, 4], holds
-    peers.record(pb.StageProgress(peer_id="frozen", epoch=0, samples=4))  # it spoke once, then froze
+    peers.record(pb.StageProgress(peer_id="frozen", epoch=0, samples=4))  # it speaks, from wherever it is
+    await peers._send("frozen", dead, pb.StageProgress())
+    assert peers.held == {"frozen": dead}
+    reason = peers.unlisted(pb.StageProgress(peer_id="frozen"))
+    assert reason is not None and "did not answer" in reason, "speaking brings back only a peer once reached there"
+    assert peers.peers == {} and peers.held == {"frozen": dead}
+    peers._unreachable["frozen"] = 0.0
+    await peers.refresh()
+    peers.took("frozen")  # it took a Progress at its record's address (it was alive there), then froze
     await peers._send("frozen", dead, pb.StageProgress())
     assert peers.peers == {} and peers.held == {"frozen": dead}
     await peers.refresh()

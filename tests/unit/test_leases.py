@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.collab.leases import LEASE_FACTOR, MIN_LEASE_S, Leases
+from server.collab.leases import FORGIVEN_AFTER, LEASE_FACTOR, MIN_LEASE_S, PENALTY_S, Leases
 
 TIMEOUT = 30.0
 
@@ -55,11 +55,47 @@ def test_a_caller_that_walks_away_holds_its_share_while_others_wait_and_ever_les
     leases.waited("honest", now=31.0)
     assert leases.share("hostile", quota, now=31.0) == 1, "each of its 4 leases that ran out halved 16"
     assert leases.share("honest", quota, now=31.0) == quota
+    later = 31.0 + PENALTY_S
     for caller in ("hostile", "honest"):
-        leases.asked(caller, now=41.0)
-    leases.waited("honest", now=41.0)
-    assert leases.share("hostile", quota, now=41.5) == 16, "the penalty lapses ACTIVE_S after it was earned"
-    assert leases.share("hostile", quota, now=60.0) == quota, "nobody waits: a caller is never held back"
+        leases.asked(caller, now=later)
+    leases.waited("honest", now=later)
+    assert leases.share("hostile", quota, now=later + 0.5) == 16, "the penalty lapses PENALTY_S after it was earned"
+    assert leases.share("hostile", quota, now=later + 20) == quota, "nobody waits: a caller is never held back"
+
+
+def test_callers_whose_leases_all_ran_out_alike_share_the_batch_evenly():
+    """A frozen peer held every trainer's microbatches: their leases ran out alike, and nobody is held back more than
+    the others (penalties are relative: absolute ones would refuse every caller at once)."""
+    leases = Leases(TIMEOUT)
+    quota = 32
+    for n, caller in enumerate(("one", "two")):
+        leases.asked(caller, now=0.0)
+        for i in range(4):
+            leases.grant(key(10 * n + i), caller, 0, 4, now=0.0)
+    leases.run_out(now=TIMEOUT)
+    for caller in ("one", "two"):
+        leases.asked(caller, now=TIMEOUT + 1)
+        leases.waited(caller, now=TIMEOUT + 1)
+    assert leases.share("one", quota, now=TIMEOUT + 1) == leases.share("two", quota, now=TIMEOUT + 1) == 16
+
+
+def test_completing_some_admissions_does_not_wipe_out_the_ones_a_caller_walked_away_from():
+    leases = Leases(TIMEOUT)
+    quota, now = 32, 0.0
+    for i in range(8):  # it completes two microbatches for each it drops, one such trio a second
+        now = float(i)
+        for caller in ("hostile", "honest"):
+            leases.asked(caller, now)
+        leases.waited("honest", now)
+        for j in range(3):
+            leases.grant(key(3 * i + j), "hostile", i, 4, now)
+        leases.returned(key(3 * i), now + 0.2)
+        leases.returned(key(3 * i + 1), now + 0.2)
+        leases.run_out(now + 1.0 + MIN_LEASE_S)
+    assert (
+        leases.share("hostile", quota, now + 2.0 + MIN_LEASE_S) == 0
+    ), "6 ran out in 10 s (2 more had no round trips to go by yet): 16 halved 6 times"
+    assert leases.share("honest", quota, now + 2.0 + MIN_LEASE_S) == quota
 
 
 def test_a_released_or_forgotten_lease_never_runs_out():
@@ -69,3 +105,32 @@ def test_a_released_or_forgotten_lease_never_runs_out():
     leases.released(key(1))  # its Forward failed: nothing was admitted
     leases.forget_before(5)  # batch 4 stepped
     assert leases.run_out(now=1e6) == []
+
+
+def test_a_caller_earns_its_share_back_by_completing_admissions():
+    """An honest trainer whose microbatches ran out behind a frozen peer: each FORGIVEN_AFTER of its admissions that
+    come back afterwards forgive one run-out, and those that came back before pay for nothing."""
+    leases = Leases(TIMEOUT)
+    quota = 32
+    for i in range(FORGIVEN_AFTER):  # completed before: no credit towards what runs out later
+        leases.grant(key(i), "victim", 0, 4, now=0.0)
+        leases.returned(key(i), now=0.5)
+    for i in range(100, 102):
+        leases.grant(key(i), "victim", 1, 4, now=1.0)
+    leases.run_out(now=1.0 + TIMEOUT)
+
+    def share(now: float) -> int:
+        for caller in ("victim", "other"):
+            leases.asked(caller, now)
+        leases.waited("other", now)
+        return leases.share("victim", quota, now)
+
+    assert share(40.0) == 16 >> 2
+    for i in range(200, 200 + FORGIVEN_AFTER):
+        leases.grant(key(i), "victim", 2, 4, now=40.0)
+        leases.returned(key(i), now=40.5)
+    assert share(41.0) == 16 >> 1
+    for i in range(300, 300 + FORGIVEN_AFTER):
+        leases.grant(key(i), "victim", 3, 4, now=41.0)
+        leases.returned(key(i), now=41.5)
+    assert share(42.0) == 16

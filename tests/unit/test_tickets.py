@@ -64,3 +64,38 @@ async def test_a_signer_we_could_not_look_up_is_unchecked_not_refused():
     answers.append([])  # the DHT answered: no stage-0 peer has this key
     with pytest.raises(TicketRefused, match="does not list"):
         await tickets.check(meta, B, backward=True)
+
+
+async def test_a_stage_zero_signer_counts_only_once_its_server_answered_as_it():
+    """Past stage 0, an admission counts only once the server at its signer's record address answered Info as that
+    signer, on stage 0: a signed stage-0 record at an address nobody serves (or where another server answers) gets
+    its microbatches UNAVAILABLE ("behind: ...") and nothing is spent or accumulated. Before, they were computed and
+    accumulated, and the stage stepped on more samples than stage 0 admitted."""
+    honest, sybil = Identity(), Identity()
+    records = {honest.peer_id: "10.0.0.1:1", sybil.peer_id: "10.0.0.2:1"}
+    answering = {"10.0.0.1:1": pb.InfoReply(peer_id=honest.peer_id, stage=0), "10.0.0.2:1": pb.InfoReply(stage=0)}
+
+    async def discover(stage: int, include_pending: bool = False):
+        return [
+            types.SimpleNamespace(peer_id=i.peer_id, public_key=i.public_key, record=types.SimpleNamespace(address=a))
+            for i, a in ((honest, records[honest.peer_id]), (sybil, records[sybil.peer_id]))
+        ]
+
+    class Stub:
+        def __init__(self, address: str):
+            self.address = address
+
+        async def info(self, request, timeout):
+            return answering[self.address]
+
+    tickets = Tickets(types.SimpleNamespace(discover=discover, peer_id="us"), timeout=1.0, vet=True)
+    tickets._channels = types.SimpleNamespace(stub=Stub, close=lambda: asyncio.sleep(0))  # type: ignore[assignment]
+    with pytest.raises(TicketUnchecked, match="has not answered as itself"):  # the read starts both probes
+        await tickets.check(meta_of(signed_by(sybil, "mb-s", 3, 3), "mb-s"), B, backward=True)
+    assert not tickets.spent
+    await asyncio.sleep(0.05)  # the probes came back
+    await tickets.check(meta_of(signed_by(honest, "mb-h", 3, 3), "mb-h"), B, backward=True)
+    with pytest.raises(TicketUnchecked):  # its address answers as someone else
+        await tickets.check(meta_of(signed_by(sybil, "mb-s", 3, 3), "mb-s"), B, backward=True)
+    assert len(tickets.spent) == 1
+    await tickets.close()

@@ -1,6 +1,6 @@
-"""Which listed servers a trainer routes to (trainer/vetting.py), on a fake clock."""
+"""Which listed servers a trainer routes to (swarm/vetting.py), on a fake clock."""
 
-from trainer.vetting import FIRST_WAIT_S, MAX_WAIT_S, Vetting
+from swarm.vetting import FIRST_WAIT_S, MAX_WAIT_S, Vetting
 
 
 class Clock:
