@@ -33,9 +33,10 @@ from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import model_config
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames
-from swarm.protocol.rpc import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE, StageStub, sync_channel
+from swarm.protocol.rpc import CHANNEL_OPTIONS, PROTOCOL_VERSION, SERVICE, StageStub
 from swarm.protocol.tensors import WireStats, encode_tensor
 from tests.benchmarks import common
+from tests.benchmarks.soak import info
 from tests.benchmarks.swarmrun import TrainerHandle, cpu_seconds, new_swarm, read_stats, small_corpus, wait_ready
 from trainer.client import Admission, StageClient
 
@@ -44,14 +45,6 @@ D_MODEL, SEQ, B = 64, 64, 4
 MODEL = ["--preset", "local_debug", "--n-stages", str(STAGES), "--d-model", str(D_MODEL), "--max-seq-len", str(SEQ)]
 CONFIG = model_config("local_debug", n_stages=STAGES, d_model=D_MODEL, max_seq_len=SEQ)
 FLOOD_EVERY_S, FLOOD_CALLS, FLOOD_MB = 60.0, 50, 1
-
-
-def info(address: str, digest: bool = False) -> pb.InfoReply | None:
-    try:
-        with sync_channel(address) as channel:
-            return StageStub(channel).info(pb.InfoRequest(with_digest=digest), timeout=5)
-    except grpc.RpcError:
-        return None
 
 
 def scrape(port: int) -> dict[str, float]:
