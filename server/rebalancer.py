@@ -14,13 +14,12 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-import grpc
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerEntry
-from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import Channels
 from swarm.rebalance import PeerLoad, StageLoad, SwarmView, choose_stage, decide, next_decision_time, stage_loads
+from swarm.vetting import answers_as
 
 if TYPE_CHECKING:
     from server.stage_server import StageServer
@@ -100,11 +99,8 @@ class Rebalancer:
     async def _answers_as_owner(self, entry: PeerEntry) -> bool:
         if entry.peer_id == self.peer_id:
             return True
-        try:
-            reply = await self.channels.stub(entry.record.address).info(pb.InfoRequest(), timeout=INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.peer_id == entry.peer_id and (reply.stage == entry.record.stage or not entry.record.ready)
+        stage = entry.record.stage if entry.record.ready else None
+        return await answers_as(self.channels, entry.record.address, entry.peer_id, stage, INFO_TIMEOUT_S)
 
     async def close(self) -> None:
         await self.channels.close()

@@ -373,7 +373,8 @@ class StageService:
             )
         if turned_away is not None:
             # read on (dropping it) what the caller still sends, for its refusal to reach it (swarm.protocol.drain)
-            self.requests_busy += turned_away[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+            if turned_away[0] == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.requests_busy += 1
             limits = self.schema.backward_limits if backward else self.schema.forward_limits
             seconds = DRAIN_S if deadline is None else min(DRAIN_S, deadline - time.monotonic())
             await self.drains.drain(raw_frames, 2 * limits.max_tensor_bytes + CHUNK_BYTES, seconds, self._arrived)

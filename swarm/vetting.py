@@ -8,15 +8,21 @@ stage past 0 likewise computes a Backward under a stage-0 peer's admission only 
 seconds (at most MAX_WAIT_S), never a microbatch: a stranger's record at an unreachable address drew 54 dials and 6
 failed calls in 50 s, and cost the trainer a quarter of its throughput, when records were routed to on sight.
 
-Pure and synchronous, clock injected: its user runs the probes it asks for and reports them.
+`Vetting` is pure and synchronous, clock injected: its user runs the probes it asks for (`answers_as`) and reports
+them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from swarm.protocol import wire_pb2 as pb
+from swarm.protocol.rpc import Channels
+
+logger = logging.getLogger(__name__)
 FIRST_WAIT_S = 2.0  # after a failed probe, the next one waits this long, doubling after each failure
 MAX_WAIT_S = 60.0
 
@@ -68,3 +74,14 @@ class Vetting:
     def vetted(self, peer_id: str) -> bool:
         v = self._peers.get(peer_id)
         return v is not None and v.vetted
+
+
+async def answers_as(channels: Channels, address: str, peer_id: str, stage: int | None, timeout: float) -> bool:
+    """Whether the server at `address` answers Info, within `timeout`, naming `peer_id` and `stage` (None: any stage,
+    for a peer still joining, which may answer with the stage it leaves). Unreachable, frozen or garbage: False."""
+    try:
+        reply = await channels.stub(address).info(pb.InfoRequest(), timeout=timeout)
+    except Exception as e:  # noqa: BLE001  # whatever went wrong, it did not answer as itself
+        logger.debug("%s at %s did not answer as itself: %r", peer_id[-6:], address, e)
+        return False
+    return reply.peer_id == peer_id and (stage is None or reply.stage == stage)

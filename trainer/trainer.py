@@ -30,7 +30,7 @@ from swarm.metrics import serve_metrics
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats
 from swarm.tasks import Overlapping
-from swarm.vetting import Vetting
+from swarm.vetting import Vetting, answers_as
 from trainer.client import Admission, StageClient, StageReply
 from trainer.config import TrainerConfig
 from trainer.deadlines import CallDeadlines
@@ -283,12 +283,7 @@ class Trainer:
 
     async def _vet(self, stage: int, peer_id: str, address: str) -> None:
         """Whether the server at `address` names `peer_id` and `stage` in its Info; routes to it if it does."""
-        try:
-            reply = await self.client.channels.stub(address).info(pb.InfoRequest(), timeout=PROBE_S)
-            ok = reply.peer_id == peer_id and reply.stage == stage
-        except Exception as e:  # unreachable, frozen, garbage: not routed to
-            logger.debug("stage %d peer %s at %s did not answer as itself: %r", stage, peer_id[-6:], address, e)
-            ok = False
+        ok = await answers_as(self.client.channels, address, peer_id, stage, PROBE_S)
         self.vetting[stage].answered(peer_id, address, ok)
         if ok:
             self._route(stage)

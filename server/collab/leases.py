@@ -14,10 +14,11 @@ the batch (and so the whole swarm) until --admission-timeout. So each admission 
   costs the batch a lease's wait each time, and one that completes two for each it drops does no better
   (`python -m tests.benchmarks.soak_hostile`: such a caller kept its whole share when a completed admission wiped
   its record, and got 22 walk-aways in 5 minutes with a 60 s memory and no forgiving); an honest trainer whose
-  microbatches ran out behind a frozen peer earns its share back within a few dozen microbatches. The penalty is relative: when a frozen peer made every trainer's leases run out alike, they share the
-  batch evenly (an absolute one would hold them all back at once, and nobody would be admitted). With nobody
-  waiting, a caller may take the whole batch whatever ran out (a lone trainer whose microbatches were stuck behind a
-  frozen peer must not lock itself out).
+  microbatches ran out behind a frozen peer earns its share back within a few dozen microbatches. The penalty is
+  relative: when a frozen peer made every trainer's leases run out alike, they share the batch evenly (an absolute
+  one would hold them all back at once, and nobody would be admitted). With nobody waiting, a caller may take the
+  whole batch whatever ran out (a lone trainer whose microbatches were stuck behind a frozen peer must not lock
+  itself out).
 A Backward that comes after its lease ran out is computed as any late microbatch is; the lease's length (a multiple of
 its caller's own slowest round trips) makes that rare.
 

@@ -26,7 +26,7 @@ from dht.reads import ThrottledRead
 from server.collab import rules
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
-from swarm.vetting import Vetting
+from swarm.vetting import Vetting, answers_as
 
 logger = logging.getLogger(__name__)
 MAX_SIGNERS = 1024  # stage-0 keys remembered (a peer that left: its microbatches in flight still verify)
@@ -250,13 +250,7 @@ class Tickets:
     async def _probe(self, peer_id: str, address: str) -> None:
         if self._channels is None:
             self._channels = Channels(self.sdht.p2p)
-        try:
-            reply = await self._channels.stub(address).info(pb.InfoRequest(), timeout=PROBE_S)
-            ok = reply.peer_id == peer_id and reply.stage == 0
-        except Exception as e:  # unreachable, frozen, garbage: its admissions do not count yet
-            logger.debug("stage-0 signer %s at %s did not answer as itself: %r", peer_id[-6:], address, e)
-            ok = False
-        self.vetting.answered(peer_id, address, ok)
+        self.vetting.answered(peer_id, address, await answers_as(self._channels, address, peer_id, 0, PROBE_S))
 
     async def close(self) -> None:
         probes = list(self._probes.values())

@@ -1,6 +1,9 @@
-"""Which listed servers a trainer routes to (swarm/vetting.py), on a fake clock."""
+"""Which listed servers count (swarm/vetting.py): vetting on a fake clock, and the probe against made-up answers."""
 
-from swarm.vetting import FIRST_WAIT_S, MAX_WAIT_S, Vetting
+import types
+
+from swarm.protocol import wire_pb2 as pb
+from swarm.vetting import FIRST_WAIT_S, MAX_WAIT_S, Vetting, answers_as
 
 
 class Clock:
@@ -44,3 +47,31 @@ def test_an_answer_about_an_old_address_vets_nothing():
     v.listed({"a": "10.0.0.2:7000"})  # it moved while the probe was out
     v.answered("a", "10.0.0.1:7000", ok=True)
     assert not v.vetted("a")
+
+
+async def test_a_probe_counts_only_an_answer_naming_the_peer_and_its_stage():
+    """What comes back from a record's address is whatever its server sends: another peer's id, another stage, an
+    empty reply, garbage that fails to parse or a call that never ends all count as not answering as itself."""
+    answers: dict[str, object] = {
+        "right": pb.InfoReply(peer_id="a", stage=1),
+        "other peer": pb.InfoReply(peer_id="b", stage=1),
+        "other stage": pb.InfoReply(peer_id="a", stage=2),
+        "empty": pb.InfoReply(),
+        "garbage": ValueError("Error parsing message"),
+        "timeout": TimeoutError(),
+    }
+
+    class Stub:
+        def __init__(self, address: str):
+            self.address = address
+
+        async def info(self, request, timeout):
+            answer = answers[self.address]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    channels = types.SimpleNamespace(stub=Stub)
+    got = {address: await answers_as(channels, address, "a", 1, 1.0) for address in answers}  # type: ignore[arg-type]
+    assert got == {a: a == "right" for a in answers}
+    assert await answers_as(channels, "other stage", "a", None, 1.0), "any stage: a peer still joining"  # type: ignore[arg-type]
