@@ -38,6 +38,9 @@ def fill_server_metrics(server: StageServer, f: Families) -> None:
             f.counter("server_tied_rounds", "the tied weight's rounds over both stages", n, result=result)
     f.counter("server_state_downloads", "stage states loaded from peers (joining, catching up)", collab.state_downloads)
     f.counter("server_progress_bytes", "bytes of Progress messages sent to stage peers", collab.progress_bytes)
+    sent, taken = collab.progress_calls
+    f.counter("server_progress_calls", "Progress calls made to stage peers", sent)
+    f.counter("server_progress_messages_taken", "Progress messages taken from stage peers, relayed ones too", taken)
     f.traffic(
         "server_allreduce",
         "the stage averaging's bytes sent and received",

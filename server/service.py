@@ -350,6 +350,9 @@ class StageService:
             transport=self.transport,
             p2p_id=self.p2p_id,
             peer_id=self.peer_id,
+            progress_sent=self.collab.progress_calls[0],
+            progress_received=self.collab.progress_calls[1],
+            epoch_end_s=self.collab.epoch_end_s,
         )
 
     async def _serve(self, raw_frames, context: grpc.aio.ServicerContext, backward: bool):

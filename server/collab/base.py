@@ -58,6 +58,16 @@ class Collaboration(Protocol):
         ...
 
     @property
+    def progress_calls(self) -> tuple[int, int]:
+        """(Progress calls this peer made to its stage peers, Progress messages it took from them: relayed ones too)."""
+        ...
+
+    @property
+    def epoch_end_s(self) -> list[float]:
+        """Its latest epoch ends, seconds each from the start of the end to the step, oldest first."""
+        ...
+
+    @property
     def lowrank(self) -> LowRankState | None:
         """The stage's low-rank averaging state (ACP-SGD or PowerSGD), if it averages low-rank."""
         ...
@@ -129,7 +139,12 @@ class LocalSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
     allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = progress_bytes = 0
+    progress_calls = (0, 0)
     lowrank = None
+
+    @property
+    def epoch_end_s(self) -> list[float]:
+        return []  # a step here is one job on the compute thread
 
     @property
     def compression(self) -> str:

@@ -26,6 +26,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +51,7 @@ from server.worker import StageWorker
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
+END_TIMES_KEPT = 32  # epoch ends whose durations Info reports
 LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us read the DHT
 
 
@@ -171,6 +173,7 @@ class StageCollaboration:
         self._refreshing: asyncio.Future | None = None
         self._checking: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
+        self._end_times: deque[float] = deque(maxlen=END_TIMES_KEPT)  # seconds of our latest epoch ends
 
     @property
     def epoch(self) -> int:
@@ -190,6 +193,14 @@ class StageCollaboration:
     @property
     def progress_bytes(self) -> int:
         return self.peers.bytes_sent
+
+    @property
+    def progress_calls(self) -> tuple[int, int]:
+        return self.peers.calls_sent, self.peers.messages_taken
+
+    @property
+    def epoch_end_s(self) -> list[float]:
+        return list(self._end_times)
 
     @property
     def allreduce_bytes(self) -> int:
@@ -744,7 +755,7 @@ class StageCollaboration:
         if self.phase is not Phase.ACCUMULATING or epoch != self.epoch:
             return
         logger.debug("ending epoch %d", epoch)
-        self.phase, self._ending = Phase.ENDING, epoch
+        self.phase, self._ending, began = Phase.ENDING, epoch, time.monotonic()
         self._stepped.clear()
         self._step_queued.clear()
         try:
@@ -772,6 +783,7 @@ class StageCollaboration:
                 self.phase = Phase.ACCUMULATING
             self._admission.set()
             self._stepped.set()
+            self._end_times.append(time.monotonic() - began)
         self.averaging.state.state_sharing_priority = self.worker.param_version
         await self._broadcast(end_epoch=False)
 

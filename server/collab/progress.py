@@ -71,6 +71,8 @@ class StagePeers:
         # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
         self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
+        self.calls_sent = 0  # Progress calls made (a message to 3 peers: 3)
+        self.messages_taken = 0  # Progress messages taken from stage peers (`record`)
         # the latest epoch stage 0's admissions show a peer can be at (None: any): a peer that reports more is left
         # out of what the queries below say of the peers' epochs (rules.py `shown`; any thread): the peers we
         # believe, at the epochs they report; and the latest epoch the word of an established peer (True) or of any
@@ -120,6 +122,7 @@ class StagePeers:
     def record(self, msg: pb.StageProgress) -> None:
         """A stage peer's count (passed `check`). Messages can arrive out of order (each is its own RPC): a peer's
         progress only moves forward."""
+        self.messages_taken += 1
         progress = (int(msg.epoch), int(msg.samples))
         if progress >= self.view.get(msg.peer_id, progress):
             self.view[msg.peer_id] = progress
@@ -219,6 +222,7 @@ class StagePeers:
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         self.bytes_sent += msg.ByteSize() * len(peers)
+        self.calls_sent += len(peers)
         acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
         answered = {peer_id: ack for (peer_id, _), ack in zip(peers, acks, strict=True) if ack is not None}
         for peer_id in answered:

@@ -104,7 +104,7 @@ class InfoRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes", "recent_loss", "traffic", "rounds_ok", "rounds_failed", "moves", "state_downloads", "transport", "p2p_id", "peer_id")
+    __slots__ = ("protocol_version", "stage", "n_stages", "param_version", "queue_length", "throughput", "model_config_json", "samples_processed", "epoch", "state_digest", "requests_rejected", "allreduce_bytes", "backwards_at_stashed_version", "backwards_past_stash", "compression", "gradients_rejected", "steps_skipped", "steps_rolled_back", "requests_busy", "allreduce_fp32_bytes", "recent_loss", "traffic", "rounds_ok", "rounds_failed", "moves", "state_downloads", "transport", "p2p_id", "peer_id", "progress_sent", "progress_received", "epoch_end_s")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     N_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,9 @@ class InfoReply(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     P2P_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_SENT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_END_S_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     n_stages: int
@@ -163,7 +166,10 @@ class InfoReply(_message.Message):
     transport: str
     p2p_id: str
     peer_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ..., recent_loss: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[Traffic, _Mapping]]] = ..., rounds_ok: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., moves: _Optional[int] = ..., state_downloads: _Optional[int] = ..., transport: _Optional[str] = ..., p2p_id: _Optional[str] = ..., peer_id: _Optional[str] = ...) -> None: ...
+    progress_sent: int
+    progress_received: int
+    epoch_end_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., n_stages: _Optional[int] = ..., param_version: _Optional[int] = ..., queue_length: _Optional[int] = ..., throughput: _Optional[float] = ..., model_config_json: _Optional[str] = ..., samples_processed: _Optional[int] = ..., epoch: _Optional[int] = ..., state_digest: _Optional[str] = ..., requests_rejected: _Optional[int] = ..., allreduce_bytes: _Optional[int] = ..., backwards_at_stashed_version: _Optional[int] = ..., backwards_past_stash: _Optional[int] = ..., compression: _Optional[str] = ..., gradients_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., requests_busy: _Optional[int] = ..., allreduce_fp32_bytes: _Optional[int] = ..., recent_loss: _Optional[float] = ..., traffic: _Optional[_Iterable[_Union[Traffic, _Mapping]]] = ..., rounds_ok: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., moves: _Optional[int] = ..., state_downloads: _Optional[int] = ..., transport: _Optional[str] = ..., p2p_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., progress_sent: _Optional[int] = ..., progress_received: _Optional[int] = ..., epoch_end_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Traffic(_message.Message):
     __slots__ = ("role", "wire_bytes", "fp32_bytes")
