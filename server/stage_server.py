@@ -42,6 +42,7 @@ from swarm.tasks import Overlapping
 
 logger = logging.getLogger("swarm.server")
 MAX_ANNOUNCES_IN_FLIGHT = 3  # announces still landing (announce_forever): the oldest has waited 3 periods
+LAUNCH_TRIES = 3  # tries to start a stage's averager processes (`_launch`)
 MOVE_GRACE_S = 15.0  # a move runs longer than its drains plus this: log what it waits on (swarm/stacks.py)
 RELAY_SLOT_WAIT_S = 60.0  # a peer behind NAT waits this long for a relay slot before it serves anyway
 RELAY_SLOT_POLL_S = 0.5
@@ -242,15 +243,10 @@ class StageServer:
         worker = StageWorker(module, cfg.optimizer, cfg.compute, self.device, prior_throughput, cfg.guard)
         if not prior_throughput:
             await worker.submit(lambda: worker.calibrate(min(cfg.compute.max_batch_size, 8)))
-        collab: Collaboration = (
-            LocalSteps(worker, cfg.epochs.samples_per_step)
-            if cfg.epochs.solo
-            else StageCollaboration(worker, self.sdht, stage, cfg.epochs, cfg.averaging, cfg.network)
-        )
+        collab = await self._launch(worker, stage)
         self._active = ActiveStage(
             worker, collab, StageSchema(self.model_cfg, stage, cfg.compute.max_batch_size, cfg.guard.max_activation)
         )
-        await collab.launch()
         if self.state is not PeerState.MOVING:  # a move took the stage when it committed to it, before the boundary
             self.joined_at = get_dht_time()
         self._counted = (time.monotonic(), 0)
@@ -306,6 +302,27 @@ class StageServer:
             self.record().address,
             collab.compression,
         )
+
+    async def _launch(self, worker: StageWorker, stage: int) -> Collaboration:
+        """The stage's collaboration, its averagers' processes started. One that does not come up in time (seen once
+        in CI, after a move; its process then writes its stacks to our log: averaging.py) is shut down and built anew,
+        LAUNCH_TRIES times in all, instead of stopping the peer."""
+        cfg, tries = self.cfg, 1
+        while True:
+            collab: Collaboration = (
+                LocalSteps(worker, cfg.epochs.samples_per_step)
+                if cfg.epochs.solo
+                else StageCollaboration(worker, self.sdht, stage, cfg.epochs, cfg.averaging, cfg.network)
+            )
+            try:
+                await collab.launch()
+                return collab
+            except TimeoutError as e:
+                await collab.stop()
+                if tries == LAUNCH_TRIES:
+                    raise
+                tries += 1
+                logger.warning("stage %d: %s; starting its averagers again (try %d)", stage, e, tries)
 
     async def leave(self, reason: str) -> None:
         """Stop serving the current stage without losing work: see the class docstring."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -569,8 +571,18 @@ class Averaging:
             start_in_background(averager)
 
     def wait_until_ready(self, timeout: float) -> None:
+        """Raises TimeoutError for an averager whose process is not ready within `timeout`, after asking that process
+        to write its threads' stacks to our log (it inherits our faulthandler's SIGUSR1: swarm/stacks.py)."""
         for averager in self.averagers():
-            averager.wait_until_ready(timeout)
+            try:
+                averager.wait_until_ready(timeout)
+            except TimeoutError:
+                if averager.pid is not None and averager.is_alive():
+                    os.kill(averager.pid, signal.SIGUSR1)
+                    time.sleep(0.5)  # its stacks land in the log before our error does
+                raise TimeoutError(
+                    f"the averager process {averager.pid} ({type(averager).__name__}) was not ready in {timeout:.0f}s"
+                ) from None
 
     def shutdown(self) -> None:
         for averager in self.averagers():
