@@ -23,6 +23,7 @@ import torch
 
 from dht.identity import MAX_PUBLIC_KEY_BYTES
 from server.collab import AdmissionRefused, Behind, Collaboration, ProgressRefused
+from server.collab.hubs import MAX_PASSED_ON
 from server.collab.tickets import Ticket, TicketRefused, TicketSpent, TicketUnchecked, admission_of, ticket_key
 from server.config import GuardConfig
 from server.worker import DeadlineExpired, StageWorker, valid_lineage
@@ -215,6 +216,31 @@ def valid_admission(a: pb.Admission) -> bool:
     )
 
 
+def well_formed_progress(msg: pb.StageProgress, stage: int) -> bool:
+    """Whether a Progress (or one a hub passes on in it) is of our protocol and stage with every field in its bounds;
+    its signature and counts are checked by the receiving collaboration (epoch.py `on_progress`)."""
+    return (
+        msg.protocol_version == PROTOCOL_VERSION
+        and msg.stage == stage
+        and 0 < len(msg.peer_id) <= 128
+        and 0 <= msg.epoch < 2**62
+        and 0 <= msg.samples < 2**40
+        and 0 <= msg.admitted < 2**40
+        and 0 <= msg.admitted_next < 2**40
+        and 0 <= msg.averaged <= msg.epoch
+        and (not msg.lineage or valid_lineage(msg.lineage))
+        and len(msg.address) <= 300
+        and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))
+        and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
+        and len(msg.signature) <= 2048
+        and all(map(valid_admission, msg.served))
+        and (not msg.HasField("taken_epoch") or 0 <= msg.taken_epoch < msg.epoch)
+        and (msg.HasField("taken_epoch") or not msg.taken)
+        and all(map(valid_admission, msg.taken))
+        and (not msg.HasField("moved_on") or (valid_admission(msg.moved_on) and msg.moved_on.admitted_at > msg.epoch))
+    )
+
+
 def _check_ids(x: torch.Tensor, vocab: int, name: str) -> None:
     _expect(x.numel() == 0 or (int(x.min()) >= 0 and int(x.max()) < vocab), f"{name} must be token ids in [0, {vocab})")
 
@@ -283,26 +309,9 @@ class StageService:
 
     async def progress(self, msg: pb.StageProgress, context: grpc.aio.ServicerContext) -> pb.ProgressAck:
         ok = (
-            msg.protocol_version == PROTOCOL_VERSION
-            and msg.stage == self.schema.stage
-            and 0 < len(msg.peer_id) <= 128
-            and 0 <= msg.epoch < 2**62
-            and 0 <= msg.samples < 2**40
-            and 0 <= msg.admitted < 2**40
-            and 0 <= msg.admitted_next < 2**40
-            and 0 <= msg.averaged <= msg.epoch
-            and (not msg.lineage or valid_lineage(msg.lineage))
-            and len(msg.address) <= 300
-            and (not msg.address or msg.address.rpartition(":")[2].isdigit() or msg.address.startswith(P2P_ADDRESS))
-            and len(msg.public_key) <= MAX_PUBLIC_KEY_BYTES
-            and len(msg.signature) <= 2048
-            and all(map(valid_admission, msg.served))
-            and (not msg.HasField("taken_epoch") or 0 <= msg.taken_epoch < msg.epoch)
-            and (msg.HasField("taken_epoch") or not msg.taken)
-            and all(map(valid_admission, msg.taken))
-            and (
-                not msg.HasField("moved_on") or (valid_admission(msg.moved_on) and msg.moved_on.admitted_at > msg.epoch)
-            )
+            well_formed_progress(msg, self.schema.stage)
+            and len(msg.passed_on) <= MAX_PASSED_ON
+            and all(well_formed_progress(m, self.schema.stage) and not m.passed_on for m in msg.passed_on)
         )
         try:
             ack = await self.collab.on_progress(msg) if ok else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from server.worker import StageWorker
 from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
+DIRECT_PEERS_PER_PERIOD = 8  # calls a peer's periodic count makes directly per --announce-period, on average
 END_TIMES_KEPT = 32  # epoch ends whose durations Info reports
 LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us read the DHT
 
@@ -174,6 +176,7 @@ class StageCollaboration:
         self._checking: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
         self._end_times: deque[float] = deque(maxlen=END_TIMES_KEPT)  # seconds of our latest epoch ends
+        self._last_direct = -math.inf  # when our count last went to every peer rather than through hubs (`_refresh`)
 
     @property
     def epoch(self) -> int:
@@ -192,11 +195,11 @@ class StageCollaboration:
 
     @property
     def progress_bytes(self) -> int:
-        return self.peers.bytes_sent
+        return self.peers.bytes_sent + self.peers.hub.bytes_sent
 
     @property
     def progress_calls(self) -> tuple[int, int]:
-        return self.peers.calls_sent, self.peers.messages_taken
+        return self.peers.calls_sent + self.peers.hub.calls, self.peers.messages_taken
 
     @property
     def epoch_end_s(self) -> list[float]:
@@ -300,14 +303,29 @@ class StageCollaboration:
         exactly at the global batch), and end the epoch if it is full. The reply does not wait for the step: the
         step is a control job that runs before any request still queued, and the all-reduces of consecutive stages
         overlap instead of adding up along the backward pass."""
-        await self._broadcast(end_epoch=False)
+        await self._broadcast(end_epoch=False, via_hubs=True)
         self._spawn(self._maybe_end_epoch())
 
     async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
         """A stage peer's count (fields validated by the service); the poller acts on it. Raises ProgressRefused for a
         message not signed by the peer it names, from a peer the DHT does not list on this stage (an authentic one
         from a peer we have not listed yet waits for a DHT read, shared by concurrent messages, at most four a
-        second), or with a count no peer can have reached."""
+        second), or with a count no peer can have reached. The messages a hub passes on in it (`passed_on`) are
+        taken one by one as if their senders had sent them, those we took already aside; one refused is left out.
+        One sent to us as a hub of its epoch we pass on (hubs.py)."""
+        ack = await self._take(msg)
+        if msg.via_hub and self.peers.is_hub(int(msg.epoch)):
+            self.peers.hub.add(msg, urgent=msg.end_epoch)
+        for passed in msg.passed_on:
+            if passed.peer_id == self.sdht.peer_id or self.peers.seen(passed):
+                continue
+            try:
+                await self._take(passed)
+            except ProgressRefused as e:
+                logger.debug("progress passed on by %s refused: %s", msg.peer_id[-6:], e)
+        return ack
+
+    async def _take(self, msg: pb.StageProgress) -> pb.ProgressAck:
         reason = self.peers.forged(msg)
         if reason is None and msg.peer_id not in self.peers.held and self.peers.unlisted(msg):
             await self._lookup()  # not for a held peer: listed, and a stranger's messages must not drive our reads
@@ -396,8 +414,10 @@ class StageCollaboration:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("%s failed: %r", task.get_name(), task.exception())
 
-    async def _broadcast(self, end_epoch: bool, ending: int | None = None) -> None:
-        """`ending`: the epoch whose round we are in; we tell the peers to end it if we are still in it."""
+    async def _broadcast(self, end_epoch: bool, ending: int | None = None, via_hubs: bool = False) -> None:
+        """`ending`: the epoch whose round we are in; we tell the peers to end it if we are still in it (a round's
+        heartbeat, which goes to every peer: one that does not take it leaves the group). `via_hubs`: through the
+        epoch's hubs in a stage of many peers (hubs.py)."""
         worker = self.worker
         while True:  # the compute thread may end the epoch between the reads: read them all from the same epoch
             epoch, samples, lineage = self.epoch, worker.samples_accumulated, worker.lineage
@@ -419,6 +439,7 @@ class StageCollaboration:
             served=served,
             taken=taken,
             moved_on=latest if latest is not None and latest.admitted_at > epoch else None,
+            via_hubs=via_hubs and ending is None,
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None, caller: str = "") -> Ticket:
@@ -486,7 +507,7 @@ class StageCollaboration:
                 [p[-6:] for p in self.peers.admitting(placed)],
             )
         if self.peers.peers:  # the other peers of stage 0 count our admissions
-            self._spawn(self._broadcast(end_epoch=False))
+            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
         return Ticket(placed, epoch, *self.tickets.sign(microbatch_id, n, placed, epoch))
 
     async def _claim(self, epoch: int, timeout: float | None = None) -> bool:
@@ -548,7 +569,7 @@ class StageCollaboration:
         self.leases.released((ticket.signer, microbatch_id, ticket.global_batch, ticket.admitted_at))
         self.admission.release(ticket.global_batch, n)
         if self.peers.peers:
-            self._spawn(self._broadcast(end_epoch=False))
+            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
 
     def unobserve(self, meta: pb.CallMeta) -> None:
         self.tickets.forget(meta)
@@ -610,7 +631,7 @@ class StageCollaboration:
             )
         if decision is not None and decision.act is Act.ANNOUNCE_AND_END:
             logger.debug("stage 0 admits epoch %d: ending our epoch %d", admitted_at, epoch)
-            await self._broadcast(end_epoch=True)
+            await self._broadcast(end_epoch=True, via_hubs=True)
             if self.epoch == epoch and self.phase is Phase.ACCUMULATING:  # nobody ended it while we told the others
                 self._spawn(self._end_epoch_once(epoch, skip_to=admitted_at))
                 await asyncio.sleep(0)  # the task runs first (asyncio's ready queue is FIFO): the epoch is ENDING
@@ -697,11 +718,16 @@ class StageCollaboration:
             )
             self._admission.set()
             if self.peers.peers:
-                self._spawn(self._broadcast(end_epoch=False))
+                self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
 
     async def _refresh(self) -> None:
         await self.peers.refresh()
-        await self._broadcast(end_epoch=False)  # so joiners and restarted peers learn our count
+        # so joiners and restarted peers learn our count, and every peer does even if both hubs withhold: each peer
+        # directly every DIRECT_PEERS_PER_PERIOD of --announce-period at most, through the hubs between
+        now, direct = time.monotonic(), self.network.announce_period * len(self.peers.peers) / DIRECT_PEERS_PER_PERIOD
+        via_hubs = now - self._last_direct < direct
+        self._last_direct = self._last_direct if via_hubs else now
+        await self._broadcast(end_epoch=False, via_hubs=via_hubs)
         await self._refresh_tied()
 
     async def _refresh_tied(self) -> None:
@@ -730,7 +756,7 @@ class StageCollaboration:
                     self.admission.total(view.epoch),
                     self.cfg.admission_timeout,
                 )
-            await self._broadcast(end_epoch=True)
+            await self._broadcast(end_epoch=True, via_hubs=True)
         await self._end_epoch_once(view.epoch)
 
     def _lost_microbatches(self, epoch: int) -> bool:
@@ -785,7 +811,7 @@ class StageCollaboration:
             self._stepped.set()
             self._end_times.append(time.monotonic() - began)
         self.averaging.state.state_sharing_priority = self.worker.param_version
-        await self._broadcast(end_epoch=False)
+        await self._broadcast(end_epoch=False, via_hubs=True)
 
     async def _average_and_step_delayed(self, epoch: int, n_peers: int) -> None:
         """The epoch moves on now and its step lands once its round is over (--delay-optimizer-step)."""
@@ -801,7 +827,7 @@ class StageCollaboration:
         if averaged is None:  # resynced by _catch_up instead
             averaged, self.diverged, self._diverged_at, reference = grads, True, epoch, None
         else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
-            self._spawn(self._broadcast(end_epoch=False))
+            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
         if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
             await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
             if self.diverged:

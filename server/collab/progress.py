@@ -1,8 +1,8 @@
 """Who else serves this stage, and how far each of them is: the peers' `Progress` messages and the DHT.
 
-After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC),
-so every peer knows the exact total of the current epoch and a trainer that waits for its replies sees epochs end
-exactly at the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
+After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC;
+in a stage of more than HUB_FROM peers, to the epoch's hubs, which pass it on: hubs.py), so every peer knows the
+exact total of the current epoch and a trainer that waits for its replies sees epochs end exactly at the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
 key of a peer whose (signed) DHT record says it serves this stage; an authentic one from a peer we have not listed
 yet makes us read the DHT before we answer (a peer that started or joined since our last read).
 
@@ -21,6 +21,7 @@ import grpc
 from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
 from server.collab import rules
+from server.collab.hubs import HUB_FROM, Hub, Seen, hubs_for, is_hub, seal
 from server.collab.tickets import ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
@@ -71,7 +72,11 @@ class StagePeers:
         # peer id -> (an epoch, the admissions of it that peer said it holds from us): left out of our next messages
         self._served_held: dict[str, tuple[int, frozenset[tuple]]] = {}
         self.bytes_sent = 0  # Progress messages, as serialized, times the peers each went to
-        self.calls_sent = 0  # Progress calls made (a message to 3 peers: 3)
+        self.calls_sent = 0  # Progress calls made (a message to 3 peers: 3), those passing others' messages on aside
+        self._latest: pb.StageProgress | None = None  # our latest message, as signed
+        self.seen = Seen()  # the messages we took lately: one that comes again through another hub is skipped
+        # what we pass on as one of the stage's hubs (hubs.py)
+        self.hub = Hub(self._send, lambda: self.peers, self._envelope)
         self.messages_taken = 0  # Progress messages taken from stage peers (`record`)
         # the latest epoch stage 0's admissions show a peer can be at (None: any): a peer that reports more is left
         # out of what the queries below say of the peers' epochs (rules.py `shown`; any thread): the peers we
@@ -123,6 +128,7 @@ class StagePeers:
         """A stage peer's count (passed `check`). Messages can arrive out of order (each is its own RPC): a peer's
         progress only moves forward."""
         self.messages_taken += 1
+        self.seen.add(msg)
         progress = (int(msg.epoch), int(msg.samples))
         if progress >= self.view.get(msg.peer_id, progress):
             self.view[msg.peer_id] = progress
@@ -188,13 +194,19 @@ class StagePeers:
         served: Sequence[pb.Admission] = (),
         taken: tuple[int | None, Sequence[pb.Admission]] = (None, ()),
         moved_on: pb.Admission | None = None,
+        via_hubs: bool = False,
     ) -> dict[str, pb.ProgressAck]:
         """Our progress to every stage peer. Returns the answers of those that took it, by peer id. `averaged`: the
         last epoch whose stage round ended for us (None: none yet). `recovering`: we are copying a state. `served`:
         stage 0's admissions of the microbatches behind our count (served.py), of which the message carries those
         some peer has not said it holds; `taken`: an earlier epoch whose round we are in (delayed steps), and the
-        admissions behind our weight in it; `moved_on`: stage 0's admission of a later epoch than `epoch`."""
+        admissions behind our weight in it; `moved_on`: stage 0's admission of a later epoch than `epoch`.
+        `via_hubs`: in a stage of HUB_FROM other peers or more, to `epoch`'s hubs alone, which pass it on (hubs.py)."""
         peers = list(self.peers.items())
+        via_hubs = via_hubs and len(peers) >= HUB_FROM and not claims
+        hubs = hubs_for(epoch, [*self.peers, self.sdht.peer_id]) if via_hubs else []
+        if via_hubs:
+            peers = [(p, self.peers[p]) for p in hubs if p in self.peers]
         keys = [ticket_key(a) for a in served]
         held = {peer_id: self._held_by(peer_id, epoch) for peer_id, _ in peers}
         lacking = {k for k in keys if any(k not in h for h in held.values())}
@@ -219,8 +231,12 @@ class StagePeers:
             taken_epoch=taken[0],
             taken=taken[1],
             moved_on=moved_on,
+            via_hub=via_hubs,
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
+        self._latest = msg
+        if self.sdht.peer_id in hubs:
+            self.hub.add(msg, urgent=end_epoch)
         self.bytes_sent += msg.ByteSize() * len(peers)
         self.calls_sent += len(peers)
         acks = await asyncio.gather(*(self._send(peer_id, address, msg) for peer_id, address in peers))
@@ -236,6 +252,13 @@ class StagePeers:
         for gone in set(self._served_held) - set(self.peers):
             del self._served_held[gone]
         return answered
+
+    def is_hub(self, epoch: int) -> bool:
+        return is_hub(epoch, self.sdht.peer_id, self.peers)
+
+    def _envelope(self, passed_on: list[pb.StageProgress]) -> pb.StageProgress | None:
+        """Our latest progress carrying `passed_on` (hubs.py `seal`); None before our first message."""
+        return None if self._latest is None else seal(self._latest, passed_on, self.sdht.identity.sign)
 
     def _held_by(self, peer_id: str, epoch: int) -> frozenset[tuple]:
         """The admissions of `epoch` that `peer_id` said it holds from us."""
@@ -488,4 +511,5 @@ class StagePeers:
             del self._admitted[old]
 
     async def close(self) -> None:
+        await self.hub.close()
         await self._channels.close()

@@ -23,15 +23,9 @@ from swarm.protocol.p2p import P2PStub
 from swarm.protocol.tls import PINS, ServerTls, pinned_channel_args
 
 logger = logging.getLogger(__name__)
-PROTOCOL_VERSION = 12  # 3: signed Progress, records under owner subkeys; 4: piecewise, low-rank and top-k codecs;
-# 5: stage 0 signs its admissions (CallMeta.admitted_by, admission_signature); 6: stage 0 peers claim their share of a
-# global batch and the answer carries the receiver's admissions (StageProgress.claims, ProgressAck.admitted); 7: a
-# Progress carries the admissions behind its count, and a peer's part weighs what they prove (StageProgress.served);
-# 8: a Progress leaves out the admissions its receivers said they hold (ProgressAck.served_held); 9: an epoch ends on
-# a peer's word only with proof (StageProgress.moved_on, or the admissions proven for it); 10: with low-rank averaging
-# a state's digest (InfoReply.state_digest) covers the factors it carries; 11: an all-reduce sender closes its stream
-# to a reducer once every part came back, and a state download ends with an end marker (server/collab/hivemind_compat.py);
-# 12: parameter rounds run on the stage's averager, in its fixed groups, after a probe (server/collab/averaging.py)
+# peers of different versions refuse each other's calls and never meet in a round (docs/protocol.md lists what each
+# version changed); 13: a stage of more than 3 peers passes its per-backward counts through two hubs an epoch
+PROTOCOL_VERSION = 13
 CHUNK_BYTES = 2 << 20
 DROP_GRACE_S = 120.0  # a dropped channel's calls in flight end on their own deadlines, within this at most
 GRPC_OPTIONS = [  # frames are at most CHUNK_BYTES plus a header; leave headroom

@@ -182,7 +182,7 @@ class Traffic(_message.Message):
     def __init__(self, role: _Optional[str] = ..., wire_bytes: _Optional[int] = ..., fp32_bytes: _Optional[int] = ...) -> None: ...
 
 class StageProgress(_message.Message):
-    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering", "served", "taken_epoch", "taken", "moved_on")
+    __slots__ = ("protocol_version", "stage", "peer_id", "epoch", "samples", "end_epoch", "address", "admitted", "admitted_next", "stopped_admitting", "public_key", "signature", "claims", "lineage", "averaged", "recovering", "served", "taken_epoch", "taken", "moved_on", "via_hub", "passed_on")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,8 @@ class StageProgress(_message.Message):
     TAKEN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TAKEN_FIELD_NUMBER: _ClassVar[int]
     MOVED_ON_FIELD_NUMBER: _ClassVar[int]
+    VIA_HUB_FIELD_NUMBER: _ClassVar[int]
+    PASSED_ON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     stage: int
     peer_id: str
@@ -223,7 +225,9 @@ class StageProgress(_message.Message):
     taken_epoch: int
     taken: _containers.RepeatedCompositeFieldContainer[Admission]
     moved_on: Admission
-    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ..., served: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., taken_epoch: _Optional[int] = ..., taken: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., moved_on: _Optional[_Union[Admission, _Mapping]] = ...) -> None: ...
+    via_hub: bool
+    passed_on: _containers.RepeatedCompositeFieldContainer[StageProgress]
+    def __init__(self, protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., end_epoch: _Optional[bool] = ..., address: _Optional[str] = ..., admitted: _Optional[int] = ..., admitted_next: _Optional[int] = ..., stopped_admitting: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., claims: _Optional[bool] = ..., lineage: _Optional[str] = ..., averaged: _Optional[int] = ..., recovering: _Optional[bool] = ..., served: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., taken_epoch: _Optional[int] = ..., taken: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., moved_on: _Optional[_Union[Admission, _Mapping]] = ..., via_hub: _Optional[bool] = ..., passed_on: _Optional[_Iterable[_Union[StageProgress, _Mapping]]] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("microbatch_id", "samples", "global_batch", "admitted_at", "admitted_by", "signature")
