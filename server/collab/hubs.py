@@ -33,9 +33,9 @@ from swarm.protocol import wire_pb2 as pb
 
 logger = logging.getLogger(__name__)
 HUBS = 2  # per epoch: one that withholds leaves the other
-HUB_FROM = 3  # other peers from which a peer's per-backward messages go through hubs
+HUB_FROM = 7  # other peers from which a peer's per-backward messages go through hubs (fewer: direct costs less)
 HUB_CALLS_PER_S = 40.0  # the most calls a hub makes a second, to all of its peers together
-PERIOD_S = (0.05, 0.5)  # the shortest and longest wait between a hub's calls to one peer
+PERIOD_S = (0.5, 2.0)  # the shortest and longest wait between a hub's calls to one peer
 MAX_PASSED_ON = 256  # messages in one call; a peer further behind gets the rest in the next
 KEPT_EPOCHS = 2  # a hub keeps the messages of its newest epoch and the one before (a joiner gets them all)
 MAX_KEPT = 4096

@@ -1,8 +1,9 @@
 """Who else serves this stage, and how far each of them is: the peers' `Progress` messages and the DHT.
 
 After every backward, before its reply, a peer sends its sample count to every peer of its stage (the `Progress` RPC;
-in a stage of more than HUB_FROM peers, to the epoch's hubs, which pass it on: hubs.py), so every peer knows the
-exact total of the current epoch and a trainer that waits for its replies sees epochs end exactly at the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
+in a stage where it lists HUB_FROM other peers or more, to the epoch's hubs, which pass it on: hubs.py), so every
+peer knows the exact total of the current epoch and a trainer that waits for its replies sees epochs end exactly at
+the global batch. The DHT says who the peers are: a `Progress` message counts only if it is signed by the
 key of a peer whose (signed) DHT record says it serves this stage; an authentic one from a peer we have not listed
 yet makes us read the DHT before we answer (a peer that started or joined since our last read).
 
@@ -20,8 +21,8 @@ import grpc
 
 from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
-from server.collab import rules
-from server.collab.hubs import HUB_FROM, Hub, Seen, hubs_for, is_hub, seal
+from server.collab import hubs, rules
+from server.collab.hubs import Hub, Seen, hubs_for, is_hub, seal
 from server.collab.tickets import ticket_key
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import PROTOCOL_VERSION, Channels
@@ -203,10 +204,10 @@ class StagePeers:
         admissions behind our weight in it; `moved_on`: stage 0's admission of a later epoch than `epoch`.
         `via_hubs`: in a stage of HUB_FROM other peers or more, to `epoch`'s hubs alone, which pass it on (hubs.py)."""
         peers = list(self.peers.items())
-        via_hubs = via_hubs and len(peers) >= HUB_FROM and not claims
-        hubs = hubs_for(epoch, [*self.peers, self.sdht.peer_id]) if via_hubs else []
+        via_hubs = via_hubs and len(peers) >= hubs.HUB_FROM and not claims
+        chosen = hubs_for(epoch, [*self.peers, self.sdht.peer_id]) if via_hubs else []
         if via_hubs:
-            peers = [(p, self.peers[p]) for p in hubs if p in self.peers]
+            peers = [(p, self.peers[p]) for p in chosen if p in self.peers]
         keys = [ticket_key(a) for a in served]
         held = {peer_id: self._held_by(peer_id, epoch) for peer_id, _ in peers}
         lacking = {k for k in keys if any(k not in h for h in held.values())}
@@ -235,7 +236,7 @@ class StagePeers:
         )
         msg.signature = self.sdht.identity.sign(msg.SerializeToString())
         self._latest = msg
-        if self.sdht.peer_id in hubs:
+        if self.sdht.peer_id in chosen:
             self.hub.add(msg, urgent=end_epoch)
         self.bytes_sent += msg.ByteSize() * len(peers)
         self.calls_sent += len(peers)

@@ -29,7 +29,7 @@ def test_every_peer_names_the_same_hubs_and_they_change_with_the_epoch():
 
 def test_a_hub_calls_each_peer_at_most_once_a_period_however_many_peers():
     assert hubs.period(2) == hubs.PERIOD_S[0] and hubs.period(10_000) == hubs.PERIOD_S[1]
-    assert hubs.period(16) == pytest.approx(16 / hubs.HUB_CALLS_PER_S)
+    assert hubs.period(60) == pytest.approx(60 / hubs.HUB_CALLS_PER_S)
 
 
 def _msg(peer: str, epoch: int, samples: int) -> pb.StageProgress:
