@@ -18,6 +18,7 @@ with it), with the same `--quick` and `--out`. Exit status 1 if any failed.
 | bench_flood | a real server's RSS under rounds of concurrent large requests; every call answered within its deadline |
 | bench_robust | --robust-clip's reducer: time against the weighted mean's; error with one attacking sender against the honest mean |
 | bench_rounds | failed all-reduce rounds among peers that stay up, by how a reducer's stream ends (hivemind's way, ours) |
+| bench_stage_scale | a stage of N slow peers: samples/s against N x one peer, Progress calls per sample, epoch ends, stalls |
 
 Each prints its tables on stdout, progress on stderr, and writes `<out>/<name>.json` (hardware included); bench_wan
 also writes a PNG. Run them on an otherwise idle machine: wall-clock ratios are interleaved but not immune to load.
@@ -46,6 +47,7 @@ BENCHMARKS = (
     "flood",
     "robust",
     "rounds",
+    "stage_scale",
 )
 WITH_DEVICE = ("wire", "pipeline")
 
