@@ -16,7 +16,9 @@ window:
 - busy: the fraction of 0.2 s polls with work queued on a stage-0 server, averaged over them; the trainer's lost
   microbatches and retries; cores busy (the whole machine's).
 
-    python -m tests.benchmarks.bench_stage_scale [--quick] [--peers 1,2,4,8,16] [--window 30]
+    python -m tests.benchmarks.bench_stage_scale [--quick] [--peers 1,2,4,8,16] [--window 30] [--repeats 1]
+
+`--repeats R` runs R rounds, each every peer count in the order given, and reports median [min-max] over them.
 
 To compare two versions of the code, run it from each checkout in turn (one swarm at a time on a small machine).
 """
@@ -165,15 +167,26 @@ def main(argv: list[str] | None = None) -> dict:
     counts = [int(x) for x in (args.peers or ("1,2,4" if args.quick else "1,2,4,8,16")).split(",")]
     args.window = args.window or (15.0 if args.quick else 30.0)
     args.warmup = args.warmup if args.warmup is not None else (10.0 if args.quick else 20.0)
-    results = [run_one(args, n) for n in counts]
-    one = next((r["samples_per_second"] for r in results if r["peers"] == 1), None)
+    args.repeats = args.repeats or 1
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    for r in range(args.repeats):  # interleaved: every peer count once a round, so a drift in the machine hits all
+        for n in counts:
+            common.log(f"round {r + 1}/{args.repeats}")
+            runs[n].append(run_one(args, n))
+    one = [x["samples_per_second"] for x in runs.get(1, [])]
 
-    def opt(x, digits: int = 2) -> str:
-        return "-" if x is None else f"{x:.{digits}f}"
+    def col(n: int, key: str, digits: int = 3) -> str:
+        return common.fmt(common.summary([x[key] for x in runs[n] if x[key] is not None]), digits)
+
+    def linear(n: int) -> str:
+        if not one:
+            return "-"
+        return common.fmt(common.summary([x["samples_per_second"] / (n * statistics.median(one)) for x in runs[n]]))
 
     common.table(
         f"a stage of N slow peers (--slowdown {args.slowdown:g}), one trainer (in-flight 2N+2), "
-        f"{args.window:.0f}s windows after {args.warmup:.0f}s of warm-up, on {os.cpu_count()} cores",
+        f"{args.window:.0f}s windows after {args.warmup:.0f}s of warm-up, {args.repeats} interleaved round(s), "
+        f"median [min-max], on {os.cpu_count()} cores",
         [
             "N",
             "samples/s",
@@ -185,27 +198,30 @@ def main(argv: list[str] | None = None) -> dict:
             "longest stall s",
             "'came back in' warnings",
             "busy",
-            "lost / retries",
+            "lost",
+            "retries",
             "machine cores busy",
         ],
         [
             [
-                r["peers"],
-                opt(r["samples_per_second"]),
-                opt(r["samples_per_second"] / (r["peers"] * one) if one else None),
-                opt(r["progress_calls_per_sample"]),
-                opt(r["progress_messages_per_own_sample"]),
-                r["epoch_ends"],
-                opt(r["epoch_end_s_median"]),
-                opt(r["longest_stall_s"], 1),
-                r["came_back_warnings"],
-                opt(r["busy"]),
-                f"{r['lost_microbatches']} / {r['retries']}",
-                opt(r["machine_cores_busy"]),
+                n,
+                col(n, "samples_per_second"),
+                linear(n),
+                col(n, "progress_calls_per_sample"),
+                col(n, "progress_messages_per_own_sample"),
+                col(n, "epoch_ends"),
+                col(n, "epoch_end_s_median"),
+                col(n, "longest_stall_s", 2),
+                col(n, "came_back_warnings"),
+                col(n, "busy", 2),
+                col(n, "lost_microbatches"),
+                col(n, "retries"),
+                col(n, "machine_cores_busy", 2),
             ]
-            for r in results
+            for n in counts
         ],
     )
+    results = [x for n in counts for x in runs[n]]
     report = {"hardware": common.hardware(), "args": vars(args), "results": results}
     common.write_json(args.out, "stage_scale", report)
     return report

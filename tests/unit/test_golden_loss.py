@@ -1,9 +1,10 @@
-"""The debug model's first losses, pinned: what `swarm-local`'s default swarm computes on a fixed text, so that a change
+"""The first losses of the debug model (`swarm-local`'s default) on a fixed text, pinned, so that a change
 to the model's math, its initialisation, the data pipeline or the step shows up as a number that moved.
 
-The swarm trains exactly this: each stage clips its own gradients to --clip-grad-norm and steps AdamW with the
-server's defaults, once per global batch of microbatches (the swarm's losses equal this process's on the same global
-batches: tests/integration/test_collab.py `single_process_reference`).
+This process mirrors a server's step (server/worker.py `_checked_step`): each stage's gradients clipped to
+--clip-grad-norm, then AdamW built by server/optim.py `build_optimizer` with the server's defaults (no warm-up and no
+total steps: a constant learning rate), once per global batch. It does not run the server's code path itself; that
+the swarm trains what one process does is tests/integration/test_collab.py's.
 
 Tolerance: 1e-4 relative (5e-4 absolute at these losses). Float32 on a CPU sums in an order that may change between
 torch builds (the package accepts torch >= 2.3); with the pinned 2.13.0 two runs differed by exactly 0. The tolerance
