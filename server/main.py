@@ -15,6 +15,7 @@ import uvloop
 
 from dht.node import SwarmDHT
 from dht.records import settings
+from server.collab import compat
 from server.config import ServerConfig
 from server.stage_server import StageServer
 from swarm import stacks
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             logging.getLogger(name).setLevel(logging.DEBUG)
     if cfg.compute.torch_threads > 0:
         torch.set_num_threads(cfg.compute.torch_threads)
+    compat.install()  # hivemind's codec table, before any averager forks (server/collab/compat/__init__.py)
     shared = settings(
         model=model_cfg.shared(),
         optimizer=cfg.optimizer,

@@ -25,12 +25,9 @@ from hivemind.utils import get_dht_time
 
 from dht.node import SwarmDHT
 from dht.records import stage_key
-from server.collab.hivemind_compat import (
-    AveragerClosed,
-    StrictAverager,
-    TorchBlockwiseQuantization,
-    start_in_background,
-)
+from server.collab.compat.averager import AveragerClosed, StrictAverager
+from server.collab.compat.codec import TorchBlockwiseQuantization
+from server.collab.compat.process import start_in_background
 from server.collab.lowrank import (
     PHASE_FULL,
     PHASE_P,

@@ -38,7 +38,8 @@ from dht.reads import ThrottledRead
 from server.collab import rules
 from server.collab.admission import Admission, Decision
 from server.collab.averaging import averager_options, build_averaging
-from server.collab.hivemind_compat import check_version, warm_up_8bit
+from server.collab.compat import check_version
+from server.collab.compat.codec import warm_up_8bit
 from server.collab.leases import Leases
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers

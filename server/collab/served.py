@@ -8,8 +8,8 @@ nearly all of the group's weight, becomes the stage's step: one peer steers the 
 So a Progress also carries stage 0's signed admissions of the microbatches whose gradients the sender holds for the
 epoch (`StageProgress.served`; the worker keeps them beside its counts), less those its receivers said they hold
 (`ProgressAck.served_held`, progress.py: one new admission per backward, not all of the epoch's each time), and a
-peer's part in the parts we reduce weighs at most what its admissions prove (hivemind_compat.py `cap_weights`). An admission proves its samples for one
-peer and one epoch when:
+peer's part in the parts we reduce weighs at most what its admissions prove (compat/averager.py `cap_weights`).
+An admission proves its samples for one peer and one epoch when:
 - a stage-0 peer signed it, over its microbatch, samples and batch (tickets.py);
 - its microbatch's Backward was not served here: a peer relaying the admissions we sent it proves nothing;
 - the peer did not name it before: an admission counts once per peer, for the first epoch it names it for (no

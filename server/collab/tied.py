@@ -34,7 +34,7 @@ from hivemind.compression import NoCompression, PerTensorCompression
 
 from dht.node import SwarmDHT
 from server.collab.averaging import GradientAveraging, butterfly_bytes, hivemind_compression
-from server.collab.hivemind_compat import StrictAverager
+from server.collab.compat.averager import StrictAverager
 from server.config import AveragingConfig
 from server.worker import StageWorker
 from swarm.compression import get_codec

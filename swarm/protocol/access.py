@@ -11,7 +11,7 @@ of a private swarm proves it holds the key, wherever it speaks:
   server checks it before the handler runs (no payload is parsed for a call without it), and refuses a stale one or
   a replayed one with PERMISSION_DENIED. The health service stays open.
 - **libp2p**: a reachability request carries a MAC bound to the asker's libp2p id; averagers serve their state and
-  groups only to the stage's listed peers (server/collab/hivemind_compat.py).
+  groups only to the stage's listed peers (server/collab/compat/averager.py).
 
 The key never appears in logs, reprs or error messages: `SwarmKey.swarm_id`, a hash of it, names the swarm instead.
 Anyone who holds the key can act as any member (the MACs are symmetric): it admits peers, it does not tell them

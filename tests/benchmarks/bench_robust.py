@@ -18,7 +18,7 @@ import functools
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-from server.collab.hivemind_compat import ClippedPartReducer
+from server.collab.compat.runner import ClippedPartReducer
 from tests.benchmarks import common
 
 CLIPS = (1.0, 2.0)  # --robust-clip factors: the one its help suggests, and a looser one

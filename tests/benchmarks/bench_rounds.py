@@ -2,7 +2,7 @@
 in a fixed group (StrictAverager and the exact runner, each peer on its own DHT node and p2pd daemon), with each
 sender's stream to a reducer ended as hivemind ends it (the reducer closes right after its last averaged part; the
 sender reads on until then) against as ours does (the sender closes once every part came back; the reducer holds the
-stream until then: server/collab/hivemind_compat.py `reply_linger_s`). `--load N` runs N busy loops beside them (CI's
+stream until then: server/collab/compat/download.py `reply_linger_s`). `--load N` runs N busy loops beside them (CI's
 machines are busy). A round fails one-sidedly when some peers end it and others do not.
 
     python -m tests.benchmarks.bench_rounds [--quick] [--peers G] [--rounds R] [--numel N] [--load N]
@@ -23,8 +23,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 
 from dht.forking import forking
 from dht.node import start_dht
-from server.collab import hivemind_compat
-from server.collab.hivemind_compat import ExactAllReduceRunner, StrictAverager
+from server.collab.compat.averager import StrictAverager
+from server.collab.compat.runner import REPLY_LINGER_S, ExactAllReduceRunner
 from tests.benchmarks import common
 
 
@@ -37,7 +37,7 @@ class HivemindClose(ExactAllReduceRunner):
 
 VARIANTS = {  # name -> (runner, how long a reducer holds a stream after its last part)
     "hivemind's: the reducer closes after its last part": (HivemindClose, 0.0),
-    "ours: the sender closes once every part came back": (ExactAllReduceRunner, hivemind_compat.REPLY_LINGER_S),
+    "ours: the sender closes once every part came back": (ExactAllReduceRunner, REPLY_LINGER_S),
 }
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     common.exit_on_sigterm()
     # why a round failed, as each peer's process says it (they fork from here)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("server.collab.hivemind_compat").setLevel(logging.INFO)
+    logging.getLogger("server.collab.compat").setLevel(logging.INFO)
     repeats = args.repeats or (1 if args.quick else 2)
     rounds = args.rounds or (100 if args.quick else 400)
     common.log(

@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dht.identity import Identity
 from dht.node import SwarmDHT, start_dht
 from dht.records import stage_key
-from server.collab.hivemind_compat import StrictAverager, start_in_background
+from server.collab.compat.averager import StrictAverager
+from server.collab.compat.process import start_in_background
 from swarm.cli import to_argv
 from swarm.protocol import access, reach
 from swarm.protocol import wire_pb2 as pb

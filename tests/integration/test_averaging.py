@@ -25,13 +25,9 @@ from hivemind.utils.asyncio import as_aiter
 from dht.forking import forking
 from dht.node import start_dht
 from server.collab.averaging import hivemind_compression
-from server.collab.hivemind_compat import (
-    MAX_WAITING_PARTS,
-    AveragerClosed,
-    ClosesReplica,
-    ExactAllReduceRunner,
-    StrictAverager,
-)
+from server.collab.compat.averager import MAX_WAITING_PARTS, AveragerClosed, StrictAverager
+from server.collab.compat.process import ClosesReplica
+from server.collab.compat.runner import ExactAllReduceRunner
 from swarm.compression import get_codec
 from tests.conftest import wait_for
 from tests.unit.test_averaging import CountsEnds, CutShort
@@ -660,7 +656,7 @@ CountsEnds.__name__ = StrictAverager.__name__
 
 
 def test_a_state_download_is_taken_only_whole():
-    """A state ends with an end marker (hivemind_compat.STATE_END), which the peer downloading waits for: a state cut
+    """A state ends with an end marker (compat/download.py STATE_END), which the peer downloading waits for: a state cut
     short (its last message lost in flight, as a stream closed right after it could lose it) is no download at all,
     where before the tensors that came were taken; a whole one is taken, and the sender holds the stream until the
     downloader has read it and closed it (`reply_linger_s`, 60 s here: the second download does not wait for it, and

@@ -52,10 +52,14 @@ def test_bitsandbytes_is_not_imported_on_the_cpu():
     code = """
 import sys, torch
 import server.main, trainer.main
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import BlockwiseQuantization, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import runtime_pb2
+from server.collab.compat import install
 from swarm.compression import get_codec
 from swarm.protocol.tensors import decode_tensor, encode_tensor
+assert type(_BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"]) is BlockwiseQuantization, "an import patched hivemind"
+install()  # as the server does at start-up: hivemind's 8-bit format through our codec
 x = torch.randn(10_000)
 y = decode_tensor(encode_tensor("inputs", x, get_codec("blockwise8")), torch.device("cpu"))
 z = deserialize_torch_tensor(serialize_torch_tensor(x, runtime_pb2.CompressionType.BLOCKWISE_8BIT))

@@ -16,7 +16,7 @@ import torch
 from dht import node
 from dht.forking import forking
 from dht.reaper import _alive, _cmdline, _processes, client_sockets, daemon_sockets, descendants
-from server.collab.hivemind_compat import StrictAverager
+from server.collab.compat.averager import StrictAverager
 from tests.conftest import free_port, wait_for
 
 PEER = """

@@ -11,7 +11,7 @@ import torch
 
 from dht.node import SwarmDHT, start_dht
 from server.collab.averaging import averager_options
-from server.collab.hivemind_compat import start_in_background
+from server.collab.compat.process import start_in_background
 from server.collab.tied import TiedOutcome, build_tied
 from server.config import AveragingConfig
 from tests.unit.test_tied import state_of

@@ -20,13 +20,9 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from server.collab.averaging import PHASE_DIGEST, PHASE_PARAMS, StageAverager, hivemind_compression
-from server.collab.hivemind_compat import (
-    ClippedPartReducer,
-    ExactAllReduceRunner,
-    StrictAverager,
-    _declared,
-    balance_parts,
-)
+from server.collab.compat.averager import StrictAverager
+from server.collab.compat.download import _declared
+from server.collab.compat.runner import ClippedPartReducer, ExactAllReduceRunner, balance_parts
 from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q
 from swarm.compression import get_codec
 from tests.peers import wait_for_async
@@ -187,7 +183,7 @@ async def test_a_state_declaration_that_fails_is_read_and_logged_not_left_to_asy
     async def store_that_times_out():
         raise TimeoutError
 
-    with caplog.at_level(logging.DEBUG, logger="server.collab.hivemind_compat"):
+    with caplog.at_level(logging.DEBUG, logger="server.collab.compat.download"):
         store = asyncio.create_task(store_that_times_out())
         store.add_done_callback(_declared)
         await asyncio.wait({store})

@@ -93,7 +93,7 @@ def test_hivemind_8bit_parts_are_read_and_written_alike_by_torch_and_bitsandbyte
     reader reads ours bitwise alike, ours reads its; sizes are checked before anything is decoded."""
     from hivemind.compression import BlockwiseQuantization, CompressionInfo
 
-    from server.collab.hivemind_compat import TorchBlockwiseQuantization
+    from server.collab.compat.codec import TorchBlockwiseQuantization
 
     ours, theirs = TorchBlockwiseQuantization(), BlockwiseQuantization()
     for shape in ((1,), (4096,), (3, 5000), (7, 1, 4097)):

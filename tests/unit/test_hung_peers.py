@@ -17,8 +17,8 @@ from hivemind.averaging.partition import AllreduceException
 from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
 from server.collab.averaging import ParameterAveraging, round_result
+from server.collab.compat.averager import AveragerClosed
 from server.collab.epoch import Phase, StageCollaboration
-from server.collab.hivemind_compat import AveragerClosed
 from server.collab.progress import UNHEARD_HOLD_S, StagePeers
 from server.config import AveragingConfig
 from swarm.compression import get_codec
