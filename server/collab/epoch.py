@@ -12,9 +12,8 @@ as soon as a call shows that stage 0 has moved past it. With no lookahead, every
 at one set of parameters on every stage, as in one process: the pipeline drains at each step. Admission is the only
 place where the number of trainers and of their microbatches in flight meets the global batch.
 
-Synchronous mode averages and steps on the compute thread: requests queue (the event loop, Info and health stay live)
-for the few hundred milliseconds of an all-reduce. `--delay-optimizer-step` instead averages in the background while
-the stage keeps computing with the previous parameters (delayed parameter updates), and applies the step when ready.
+How an ending epoch's round and step run is the stepper's (stepper.py): synchronously on the compute thread, or with
+`--delay-optimizer-step` in the background while the stage computes with the previous parameters.
 
 Who writes what: the epoch lives in the worker and only the compute thread changes it (with the parameters, under the
 worker's state lock); the phase below is the event loop's.
@@ -31,8 +30,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
 from server.collab import rules
@@ -46,8 +43,9 @@ from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
 from server.collab.rules import Act, EpochView
 from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
+from server.collab.stepper import DelayedStep, Stepper, SynchronousStep
 from server.collab.tickets import Ticket, Tickets, by_signer, ticket_key
-from server.collab.tied import TiedAveraging, TiedOutcome, build_tied, split, unsplit
+from server.collab.tied import TiedAveraging, build_tied
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
 from server.worker import StageWorker
 from swarm.protocol import wire_pb2 as pb
@@ -60,15 +58,6 @@ LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us 
 
 def _idle(task: asyncio.Future | None) -> bool:
     return task is None or task.done()
-
-
-def _with_tied(
-    averaged: list[torch.Tensor], tied: TiedOutcome | None
-) -> tuple[list[torch.Tensor | None], dict[int, list[torch.Tensor]]]:
-    """The step's gradients and the parameters to load first, given the tied weight's round (if any)."""
-    if tied is None:
-        return list(averaged), {}
-    return tied.into(averaged), tied.load
 
 
 class ProgressRefused(Exception):
@@ -147,12 +136,14 @@ class StageCollaboration:
             self.tied.cap_own_stage(self._proven_weights, float(self._most_samples()))
         self.phase = Phase.ACCUMULATING
         self.admitting = True  # stage 0: False once the peer is leaving the stage
-        # stepped alone after a failed delayed round: our parameters may differ from the stage's until we resync
-        self.diverged = False
-        self._diverged_at = -1  # the epoch whose round failed for us, when we diverged
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
-        self._tied_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tied-allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
+        parts = (worker, self.averaging, self.tied, self.peers, self.recovery, averaging, stage, self._pool)
+        self.stepper: Stepper = (
+            DelayedStep(*parts, tell=self._tell, stopping=self._stopping, spawn=self._spawn)
+            if epochs.delay_optimizer_step
+            else SynchronousStep(*parts, tell=self._tell, stopping=self._stopping)
+        )
         self._kick = asyncio.Event()
         # the DHT reads an unlisted sender of Progress triggers
         self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)
@@ -171,11 +162,9 @@ class StageCollaboration:
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
         self._joined_at: int | None = None  # the epoch we started serving the stage in (rules.py `trusting`)
-        self._averaged: int | None = None  # the last epoch whose stage round ended for us (our Progress says it)
         # the poller's DHT read, and its check of the epoch's end: one of each at a time
         self._refreshing: asyncio.Future | None = None
         self._checking: asyncio.Future | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop's, for the compute thread
         self._end_times: deque[float] = deque(maxlen=END_TIMES_KEPT)  # seconds of our latest epoch ends
         self._last_direct = -math.inf  # when our count last went to every peer rather than through hubs (`_refresh`)
 
@@ -265,10 +254,10 @@ class StageCollaboration:
     async def start(self) -> None:
         """Start watching the stage. Call after `join` (and any checkpoint load)."""
         self.averaging.state.state_sharing_priority = self.worker.param_version
-        self._loop = self.recovery.loop = asyncio.get_running_loop()
+        loop = self.recovery.loop = self.stepper.loop = asyncio.get_running_loop()
         self._joined_at = self.epoch
         if self.tied is not None:
-            self.tied.loop = self._loop
+            self.tied.loop = loop
         await self._refresh_tied()
         self._poller = asyncio.create_task(self._poll_forever())
 
@@ -282,7 +271,7 @@ class StageCollaboration:
         await self.peers.close()
         await self.tickets.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._tied_pool.shutdown(wait=False, cancel_futures=True)
+        self.stepper.close()
         await asyncio.to_thread(self.averaging.shutdown)
 
     async def finish_epoch(self, timeout: float) -> int:
@@ -387,7 +376,7 @@ class StageCollaboration:
             joined_at=self._joined_at,
             ending=self._ending,
             accumulating=self.phase is Phase.ACCUMULATING,
-            diverged=self.diverged,
+            diverged=self.stepper.diverged,
             peer_epochs={p: e for p, (e, _) in dict(self.peers.view).items()},
             refused_at=self.peers.refused_at(),
             established=frozenset(self.peers.established),
@@ -415,6 +404,13 @@ class StageCollaboration:
         if not task.cancelled() and task.exception() is not None:
             logger.warning("%s failed: %r", task.get_name(), task.exception())
 
+    async def _tell(self, via_hubs: bool) -> None:
+        """Our count to the stage (the stepper's `tell`)."""
+        await self._broadcast(end_epoch=False, via_hubs=via_hubs)
+
+    def _stopping(self) -> bool:
+        return self.phase is Phase.STOPPED
+
     async def _broadcast(self, end_epoch: bool, ending: int | None = None, via_hubs: bool = False) -> None:
         """`ending`: the epoch whose round we are in; we tell the peers to end it if we are still in it (a round's
         heartbeat, which goes to every peer: one that does not take it leaves the group). `via_hubs`: through the
@@ -435,7 +431,7 @@ class StageCollaboration:
             self.admission.counts(epoch),
             not self.admitting,
             lineage=lineage,
-            averaged=self._averaged,
+            averaged=self.stepper.averaged,
             recovering=self.phase is Phase.RECOVERING,
             served=served,
             taken=taken,
@@ -662,15 +658,14 @@ class StageCollaboration:
             ) from None
 
     async def _step_before(self, admitted_at: int, deadline: float | None) -> None:
-        """Delayed steps: wait (until `deadline`, a monotonic time) while our round of epoch e runs and stage 0 is
-        past e + 1, the epoch we accumulate meanwhile. A microbatch of a later epoch would be computed with parameters
-        two or more steps old, and the worker keeps one next epoch's gradients only: the epochs after it went into
-        that one (CI saw a stage-1 pair end at epoch 2 while the other stages reached 21). Waiting for our step does
-        what a synchronous stage's queue does. Raises Behind if the call cannot wait any more: the trainer asks again
-        shortly."""
-        if not self.cfg.delay_optimizer_step:
-            return
-        while self.phase is Phase.ENDING and self._ending is not None and admitted_at > self._ending + 1:
+        """Wait (until `deadline`, a monotonic time) while the epoch being averaged holds calls admitted at
+        `admitted_at` back (stepper.py `must_wait`: delayed steps, two epochs on). Raises Behind if the call cannot wait
+        any more: the trainer asks again shortly."""
+        while (
+            self.phase is Phase.ENDING
+            and self._ending is not None
+            and self.stepper.must_wait(admitted_at, self._ending)
+        ):
             await self._wait_or_behind(self._stepped, deadline, admitted_at, "still averages")
 
     async def _poll_forever(self) -> None:
@@ -801,10 +796,7 @@ class StageCollaboration:
                 # the calls waiting for our step job run after the submit below (it queues the job before it first
                 # yields); set here, before anything else of ours awaits, so that no other ending's is set by ours
                 self._step_queued.set()
-            if not self.cfg.delay_optimizer_step:
-                await self.worker.submit(lambda: self._average_and_step(n_peers, skip_to))
-            elif not await self.worker.submit(lambda: self._skip_if_empty(epoch, n_peers, skip_to)):
-                await self._average_and_step_delayed(epoch, n_peers)
+            await self.stepper.step(epoch, n_peers, skip_to)
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
@@ -814,152 +806,17 @@ class StageCollaboration:
         self.averaging.state.state_sharing_priority = self.worker.param_version
         await self._broadcast(end_epoch=False, via_hubs=True)
 
-    async def _average_and_step_delayed(self, epoch: int, n_peers: int) -> None:
-        """The epoch moves on now and its step lands once its round is over (--delay-optimizer-step)."""
-        # a peer that took our state meanwhile would miss the step
-        self.averaging.state.allow_state_sharing = False
-        grads, n = await self.worker.submit(lambda: self.worker.take_gradients(end_epoch=True))
-        # the lineages our peers reported, read before our step (as with synchronous steps)
-        reference = self.peers.lineage_reference(epoch, self.worker.lineage, moved_on=True) if n_peers > 1 else None
-        # peers report the next epoch while this one is still being averaged in the background
-        averaged, tied = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._average, grads, n, n_peers, epoch, False
-        )
-        if averaged is None:  # resynced by _catch_up instead
-            averaged, self.diverged, self._diverged_at, reference = grads, True, epoch, None
-        else:  # a peer whose round failed stops retrying once every peer said so (`_average_stage`)
-            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
-        if n > 0 or not self.diverged:  # stepping alone on no samples would be a momentum-only step
-            await self.worker.submit(lambda: self._apply_delayed(averaged, tied, alone=n_peers <= 1 and n > 0))
-            if self.diverged:
-                self.recovery.not_an_ancestor()  # our own gradients: the stage goes on from another step
-        self.averaging.state.allow_state_sharing = True
-        if reference is not None:  # peers of another history stepped with us: copy one
-            await self.worker.submit(lambda: self.recovery.adopt(reference, epoch, keep_gradients=True))
-
-    def _skip_if_empty(self, epoch: int, n_peers: int, skip_to: int | None = None) -> bool:
-        """Compute thread, as `epoch` ends: alone with no samples towards it (our peers' counts died with them, or stage
-        0 moved on without us), end it without a step, and the empty ones stage 0 has already finished too
-        (`skip_to`). With peers the round still runs, even if nobody has samples: a peer that skipped while a peer
-        whose count it had not heard yet ran the round put the stage on two parameter versions (CI: a stage-2 peer
-        served global batch 1 at version 0). A delayed peer alone used to step on zero gradients here."""
-        if n_peers > 1 or self.worker.samples_accumulated + self.worker.samples_late > 0:
-            return False
-        self.worker.skip_to(max(epoch + 1, skip_to or 0))
-        self._averaged = epoch
-        return True
-
-    def _average(
-        self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
-    ) -> tuple[list[torch.Tensor] | None, TiedOutcome | None]:
-        """Averaging pool or compute thread: (the stage's average, None if its round failed; the tied weight's round,
-        None without tied embeddings). `wait_for_peers`: the peers' reports of the next epoch mean this round ended
-        for them (synchronous steps); with delayed steps they report it while the round still runs. The tied
-        weight's round runs beside the stage's, on a thread of its own: a peer whose stage round failed while its
-        stage peer's ended learns so from that peer's report of the next epoch, which comes only once that peer's
-        tied round is over, and that round waits for every peer of both stages (one after the other, a stage peer
-        stuck retrying a failed round held the other stages' tied round until both timed out: seen in the test)."""
-        rest, tied_grad = split(grads, self.worker.tied_index)
-        tied_round = None
-        if self.tied is not None and tied_grad is not None and self.worker.tied is not None:
-            # the weight and its optimizer state, copied only when the round averages them (3 copies of the weight)
-            state = self.worker.tied_state() if self.tied.averages_states(epoch) else None
-            # a peer of our stage that finished the epoch has had its tied round: ours cannot meet it any more
-            moved_on = (lambda: bool(self.peers.ahead_of(epoch))) if wait_for_peers else (lambda: False)
-            tied_round = self._tied_pool.submit(self.tied.average_tied, tied_grad, state, n, epoch, moved_on)
-        averaged = self._average_stage(rest, n, n_peers, epoch, wait_for_peers)
-        tied = None if tied_round is None else tied_round.result()
-        return (None if averaged is None else unsplit(averaged, self.worker.tied_index, tied_grad)), tied
-
-    def _average_stage(
-        self, grads: list[torch.Tensor], n: int, n_peers: int, epoch: int, wait_for_peers: bool
-    ) -> list[torch.Tensor] | None:
-        """A round that ended for every peer but us is over (StagePeers.round_over). A lone step ends the epoch's
-        round for us too: our Progress says so, and a peer that still waits for us in one stops."""
-        if n_peers <= 1:
-            self._averaged = epoch
-            return grads
-        averaged = self.averaging.gradients.average(
-            grads,
-            n,
-            label=f"stage {self.stage} epoch {epoch}",
-            round_tag=epoch,
-            finished_without_us=lambda: self.peers.round_over(epoch, delayed=not wait_for_peers),
-            retry_grace=self.averaging_cfg.matchmaking_time / 2,
-            nobody_left=lambda: not self.peers.group(epoch),
-            group_size=n_peers,
-            group=(lambda: self.peers.group_p2p_ids(epoch)) if self.averaging_cfg.fixed_groups else None,
-        )
-        if averaged is None and not self.peers.group(epoch) and self.peers.recovering:
-            # the peers it waited for said meanwhile that they are copying a state (ours, once we share it): none of
-            # them steps on this epoch, so our step is the stage's, as a lone step would have been
-            logger.info(
-                "stage %d epoch %d: the stage's other peers are copying its state; stepping alone", self.stage, epoch
-            )
-            averaged = grads
-        if averaged is not None:
-            self._averaged = epoch  # an int, written once by this thread: our next Progress carries it
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.peers.establish, self.averaging.gradients.last_group)
-        return averaged
-
-    def _apply_delayed(self, averaged: list[torch.Tensor], tied: TiedOutcome | None, alone: bool) -> None:
-        """Compute thread: a delayed step. `alone`: as with synchronous steps, peers we did not know of may have
-        stepped too, so our parameters now have a history of their own."""
-        merged, load = _with_tied(averaged, tied)
-        self.worker.apply_gradients(merged, load=load)
-        if alone:
-            self.worker.branch()
-
-    def _average_and_step(self, n_peers: int, skip_to: int | None = None) -> None:
-        """Compute thread (synchronous mode). Requests queue behind this, so none sees a half-finished epoch."""
-        epoch = self.epoch
-        if self._skip_if_empty(epoch, n_peers, skip_to):
-            return
-        grads, n = self.worker.take_gradients()
-        # read before the step: the lineages our peers reported for this epoch
-        reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
-        averaged, tied = self._average(grads, n, n_peers, epoch, True)
-        if averaged is None and self.phase is Phase.STOPPED:  # the round failed because we are stopping: no recovery
-            self.worker.return_gradients(grads, n)
-            return
-        if averaged is None:
-            averaged, reference = self.recovery.after_failed_round(grads, n), None  # that recovery decides alone
-        if averaged is not None:
-            merged, load = _with_tied(averaged, tied)
-            self.worker.apply_gradients(merged, end_epoch=True, load=load)
-            if n_peers <= 1 and n > 0:
-                self.worker.branch()  # peers we did not know of may have stepped too, alone or together
-        if self.epoch == epoch or self.phase is Phase.STOPPED:  # stopping: no state to copy, no parameters to average
-            return
-        if reference is not None:
-            # peers that each stepped alone (two that started together, before either listed the other) hold
-            # different parameters, and an all-reduce of gradients keeps them apart: one lineage copies the other
-            self.recovery.adopt(reference, epoch)
-        if skip_to is not None and skip_to > self.epoch:  # stage 0 left these epochs with no sample of this stage
-            self.worker.skip_to(skip_to)
-        parameters = self.averaging.parameters  # built with --param-average-every only
-        if n_peers > 1 and parameters is not None and self.epoch % self.averaging_cfg.param_average_every == 0:
-            # tell the stage first: a peer copying our state after a failed round waits for our new epoch
-            assert self._loop is not None
-            asyncio.run_coroutine_threadsafe(self._broadcast(end_epoch=False), self._loop)
-            at = self.epoch  # the peers that stepped with us
-            parameters.average(
-                self.worker,
-                at,
-                group_size=1 + len(self.peers.group(at)),
-                group=(lambda: self.peers.group_p2p_ids(at)) if self.averaging_cfg.fixed_groups else None,
-                nobody_left=lambda: not self.peers.group(at),
-            )
-
     async def _catch_up(self) -> None:
         """We missed an epoch, or stepped alone: take the state of the peer furthest ahead of (or beside) us."""
         view = self.view()
         distrusted = rules.lately_refused(view)
         epochs = {p: e for p, e in rules.shown(view).items() if p not in distrusted}
         # with delayed steps, a round can end for our peers and fail for us: those peers hold the stage's model
-        averaged = self.peers.averaged_since(self._diverged_at)
-        source, self.diverged = rules.catch_up_source(self.epoch, epochs, self.sdht.peer_id, self.diverged, averaged)
+        stepper = self.stepper
+        averaged = self.peers.averaged_since(stepper.diverged_at)
+        source, stepper.diverged = rules.catch_up_source(
+            self.epoch, epochs, self.sdht.peer_id, stepper.diverged, averaged
+        )
         if source is None:
             return
         logger.info(
@@ -981,12 +838,12 @@ class StageCollaboration:
             # ours (a peer alone at the furthest epoch has nobody at its epoch to vouch for or against it)
             at = epochs[source]
             others = [] if at == self.epoch else sorted(p for p, e in epochs.items() if e == at and p != source)
-            vouch, checked = at != self.epoch, not self.diverged
+            vouch, checked = at != self.epoch, not stepper.diverged
             for attempts, peer in [(3, source), *((1, p) for p in others)]:
                 if await self.recovery.download(
                     peer, attempts=attempts, keep_gradients=True, vouch=vouch, checked=checked
                 ):
-                    self.diverged = False
+                    stepper.diverged = False
                     break
         finally:
             if self.phase is Phase.RECOVERING:
