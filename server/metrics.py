@@ -27,8 +27,14 @@ def fill_server_metrics(server: StageServer, f: Families) -> None:
     f.counter("server_samples", "samples this peer computed (forward and backward)", w.samples_processed)
     f.counter("server_microbatches", "microbatches this peer computed", w.microbatches_processed)
     f.counter("server_gradients_rejected", "microbatches whose gradients were refused", w.guard.rejected)
-    f.counter("server_step_samples", "samples behind the gradients this peer took for its steps", w.step_samples)
-    f.gauge("server_largest_step_samples", "the most samples behind one step's gradients here", w.largest_step_samples)
+    f.counter(
+        "server_step_samples", "samples behind the gradients this peer took for its steps", w.accumulated.step_samples
+    )
+    f.gauge(
+        "server_largest_step_samples",
+        "the most samples behind one step's gradients here",
+        w.accumulated.largest_step_samples,
+    )
     f.counter("server_steps_skipped", "averaged gradients that were not finite: no step", w.steps_skipped)
     f.counter("server_steps_rolled_back", "steps that left a parameter non-finite: undone", w.steps_rolled_back)
     f.counter("server_allreduce_rounds", "the stage's all-reduce rounds", collab.rounds_ok, result="ok")

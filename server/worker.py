@@ -15,139 +15,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import json
 import logging
 import math
-import re
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeGuard, TypeVar
+from typing import TypeVar
 
 import torch
 
+from server.accumulation import Accumulation
+from server.compute import ComputeThread, DeadlineExpired, Timing
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
-from server.optim import MOMENTS, build_optimizer, build_schedule, not_within_drift, not_within_steps, replay_step
-from swarm.devices import synchronize
+from server.optim import MOMENTS, build_optimizer, build_schedule
+from server.state import INITIAL_LINEAGE, StateChecks, parse_state, state_digest, state_view, valid_lineage
 from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
 
 logger = logging.getLogger(__name__)
-INITIAL_LINEAGE = "init"
-_LINEAGE = re.compile(r"init|[0-9a-f]{16}")
-
-
-def valid_lineage(value: object) -> TypeGuard[str]:
-    return isinstance(value, str) and _LINEAGE.fullmatch(value) is not None
-
-
+FORWARD_CHUNK_CPU = 16  # samples per piece of a Forward on CPU (--forward-chunk-samples -1)
 R = TypeVar("R")
 PRIOR_UNTIL = 16  # microbatches measured before a moved peer reports its own speed on the new stage
-
-
-def _digested(meta: dict) -> dict:
-    """What a state's digest covers of its metadata: its epoch, the optimizer's per-tensor layout and scalars, the
-    learning rates, and the schedule's position. Not what says who holds the state (its step counter, lineage), nor
-    settings whose keys differ between torch versions over the same tensors (peers check those when they load)."""
-    groups, schedule = meta.get("param_groups") or [], meta.get("schedule") or {}
-    return {
-        "epoch": meta.get("epoch"),
-        "n_params": meta.get("n_params"),
-        "slots": meta.get("slots"),
-        "scalars": meta.get("scalars"),
-        "lrs": [group.get("lr") for group in groups],
-        "schedule": {key: schedule.get(key) for key in ("last_epoch", "_step_count", "base_lrs")},
-    }
-
-
-def state_digest(tensors: Sequence[torch.Tensor], meta: dict | None = None) -> str:
-    """sha256 of a state (hex, 32 digits): the dtype, shape and bytes of every tensor and, given `meta` (as
-    `StageWorker.state_tensors` returns it, or as it arrived with a downloaded state), what `_digested` takes of it.
-    Equal exactly for bitwise-equal states. A peer vouches for a state with it (server/collab/recovery.py), so it
-    must not be forgeable: a fingerprint of sums (as before) could be kept by a state whose values were moved
-    around."""
-    h = hashlib.sha256()
-    if meta is not None:
-        h.update(json.dumps(_digested(meta), sort_keys=True, default=repr).encode())  # tuples and lists alike
-    for t in tensors:
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().data)
-    return h.hexdigest()[:32]
-
-
-RECENT_EPOCHS = 8  # epochs whose admissions `recent_admissions` keeps
-
-
-def _plain(value: Any) -> Any:
-    """Tuples as lists: a state that travelled through msgpack or JSON has lists where the optimizer has tuples."""
-    return list(value) if isinstance(value, tuple) else value
-
-
-class DeadlineExpired(Exception):
-    """The caller's deadline passed while the request waited in the queue: nothing was computed."""
-
-
-class ComputeThread:
-    """The one thread that runs every job on a stage's module and optimizer. Requests run in arrival order; control
-    jobs (ending an epoch, loading a state) run before any request still waiting, so that an epoch holds the
-    gradients of exactly the backwards that ran before it ended, not of a burst queued behind its end."""
-
-    def __init__(self, name: str):
-        self._ready = threading.Condition()
-        self._control: deque[tuple[Future, Callable[[], Any]]] = deque()
-        self._requests: deque[tuple[Future, Callable[[], Any]]] = deque()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], R], control: bool) -> Future[R]:
-        future: Future[R] = Future()
-        with self._ready:
-            if self._closed:
-                raise RuntimeError("the stage's compute thread is shut down")
-            (self._control if control else self._requests).append((future, fn))
-            self._ready.notify()
-        return future
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not (self._control or self._requests or self._closed):
-                    self._ready.wait()
-                if not (self._control or self._requests):
-                    return
-                future, fn = (self._control or self._requests).popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:
-                    future.set_exception(e)
-
-    def shutdown(self) -> None:
-        """Cancels jobs that have not started; waits for the running one."""
-        with self._ready:
-            self._closed = True
-            for future, _ in (*self._control, *self._requests):
-                future.cancel()
-            self._control.clear()
-            self._requests.clear()
-            self._ready.notify()
-        self._thread.join()
-
-
-# samples per piece of a Forward on CPU (--forward-chunk-samples -1)
-FORWARD_CHUNK_CPU = 16
-
-
-def _on_cpu(state: dict[int, dict]) -> dict[int, dict]:
-    """An optimizer state by parameter index, its tensors on the CPU (a copy of those that were elsewhere)."""
-    return {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for i, s in state.items()}
 
 
 class StageWorker:
@@ -185,6 +76,9 @@ class StageWorker:
         # tensors shared with the state (the stage's low-rank factors): the source, and its copy read at the last change
         self._shared_source: Callable[[], list[torch.Tensor]] | None = None
         self._shared_copy: list[torch.Tensor] = []
+        self.checks = StateChecks(
+            self.params, self.optimizer, self.schedule, self.state_lock, optimizer, self.tied_index, self.guard
+        )
         self.compute = ComputeThread(f"stage{stage.index}-compute")
         self.queue_length = 0
         self.param_version = 0  # optimizer steps taken
@@ -193,29 +87,14 @@ class StageWorker:
         # alone starts a history of our own (`branch`), and a downloaded state brings its donor's
         self.lineage = INITIAL_LINEAGE
         self.samples_processed = 0
-        self.samples_accumulated = 0  # towards the current epoch
-        self.samples_next = 0  # towards the next one: microbatches admitted into it early (--lookahead-samples)
-        self.samples_late = 0  # in the current epoch's gradients but not its count: microbatches of ended epochs
-        # the samples behind the gradients this peer took for its epochs' steps, in all and the most at once: summed
-        # over a stage's peers and divided by its epoch, what a global batch held (--samples-per-step, exactly)
-        self.step_samples = self.largest_step_samples = 0
-        # stage 0's admissions (opaque here) of the microbatches behind those three counts: what a peer shows the
-        # stage to prove the samples it holds (server/collab/served.py)
-        self.served: list = []
-        self.served_next: list = []
-        self.served_late: list = []
-        self._served_taken: list = []  # the last `take_gradients`' admissions (its epoch's round may still run)
-        self._taken_epoch: int | None = None  # ... and the epoch they were taken for
-        self._recent: deque[list] = deque(maxlen=RECENT_EPOCHS)  # the last epochs' admissions (`recent_admissions`)
-        self._next_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.accumulated = Accumulation(self.params)  # this epoch's gradients and the next's (accumulation.py)
         # the parameters of the last few versions (--stash-versions), so that a backward whose forward ran before a
         # step recomputes that forward at the parameters that produced its outputs: a gradient of one model
         self._stash: dict[int, list[torch.Tensor]] = {}
         self.backwards_at_stashed_version = 0  # microbatches whose forward ran before a step, recomputed as it ran
         self.backwards_past_stash = 0  # ... whose version was no longer kept: recomputed at the current parameters
         self.microbatches_processed = 0
-        self._seconds_per_sample: dict[str, float] = {}  # EMA per kind of work: "forward", "backward"
-        self._fastest: dict[tuple[str, int], float] = {}  # (kind, samples) -> least seconds seen, for --slowdown
+        self.timing = Timing(device, compute.slowdown)
 
     async def submit(self, fn: Callable[[], R], deadline: float | None = None, request: bool = False) -> R:
         """Run `fn` on the compute thread: a `request` (Forward, Backward) after those before it, anything else before
@@ -239,7 +118,7 @@ class StageWorker:
         every sample's output depends on that sample alone (no layer mixes the batch), so the output is the same,
         and the working memory is a piece's (a server's resident memory under a burst of Forwards, bench_flood)."""
         n, chunk = inputs.shape[0], self.forward_chunk
-        with self._timed("forward", n):
+        with self.timing.timed("forward", n):
             if not 0 < chunk < n:
                 return stage_forward(self.stage, inputs)
             first = stage_forward(self.stage, inputs[:chunk])
@@ -275,7 +154,7 @@ class StageWorker:
                 self.backwards_past_stash += 1
             else:
                 self.backwards_at_stashed_version += 1
-        with self._timed("backward", n), self._parameters(stashed), self._next_epoch_gradients(early):
+        with self.timing.timed("backward", n), self._parameters(stashed), self.accumulated.into_next(early):
             result = stage_backward(
                 self.stage,
                 inputs,
@@ -285,14 +164,7 @@ class StageWorker:
                 accept=functools.partial(self._accept, caller=caller),
             )
         self.samples_processed += n
-        if early:
-            self.samples_next += n
-        elif late:
-            self.samples_late += n
-        else:
-            self.samples_accumulated += n
-        if admission is not None:
-            (self.served_next if early else self.served_late if late else self.served).append(admission)
+        self.accumulated.add(n, early, late, admission)
         self.microbatches_processed += 1
         return result
 
@@ -307,22 +179,6 @@ class StageWorker:
                 self.guard.rejected += 1
                 raise GradientRejected(f"{e}; nothing accumulated") from e
         self.guard.check(param_grads, caller)
-
-    @contextlib.contextmanager
-    def _next_epoch_gradients(self, active: bool) -> Iterator[None]:
-        """Compute thread. While active, `.grad` is the next epoch's accumulation."""
-        if not active:
-            yield
-            return
-        current = [p.grad for p in self.params]
-        for p, g in zip(self.params, self._next_grads, strict=True):
-            p.grad = g
-        try:
-            yield
-        finally:
-            self._next_grads = [p.grad for p in self.params]
-            for p, g in zip(self.params, current, strict=True):
-                p.grad = g
 
     @contextlib.contextmanager
     def _parameters(self, values: list[torch.Tensor] | None) -> Iterator[None]:
@@ -352,76 +208,59 @@ class StageWorker:
         else:
             self._stash[self.param_version] = [r.copy_(p.detach()) for r, p in zip(reuse, self.params, strict=True)]
 
-    @torch.no_grad()
+    @property
+    def samples_accumulated(self) -> int:
+        """Samples towards the current epoch (any thread)."""
+        return self.accumulated.samples
+
+    @samples_accumulated.setter
+    def samples_accumulated(self, n: int) -> None:
+        self.accumulated.samples = n
+
+    @property
+    def samples_next(self) -> int:
+        return self.accumulated.samples_next
+
+    @property
+    def samples_late(self) -> int:
+        return self.accumulated.samples_late
+
     def take_gradients(self, end_epoch: bool = False) -> tuple[list[torch.Tensor], int]:
         """Compute thread only. -> (mean gradient per parameter, samples behind it); the next backward starts afresh.
         `end_epoch`: the next backward counts towards the next epoch (delayed steps: the step comes later)."""
-        n = self.samples_accumulated + self.samples_late
-        self.step_samples += n
-        self.largest_step_samples = max(self.largest_step_samples, n)
-        grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
-        for p, early in zip(self.params, self._next_grads, strict=True):
-            p.grad = early
-        self._next_grads = [None] * len(self.params)
-        self.samples_accumulated, self.samples_next, self.samples_late = self.samples_next, 0, 0
-        self._served_taken, self._taken_epoch = self.served + self.served_late, self.epoch
-        self._recent.append(self._served_taken)
-        self.served, self.served_next, self.served_late = self.served_next, [], []
+        grads, n = self.accumulated.take(self.epoch)
         if end_epoch:
             with self.changing_state():
                 self.epoch += 1
         return grads, n
 
     def taken_before(self, epoch: int) -> tuple[int | None, list]:
-        """Any thread: (the epoch before `epoch` whose gradients were taken for a round that has not ended in a step
-        yet, the admissions behind them), or (None, []): a delayed peer's round, while it reports the next epoch."""
-        taken, taken_epoch = self._served_taken, self._taken_epoch
-        return (taken_epoch, list(taken)) if taken_epoch is not None and taken_epoch < epoch else (None, [])
+        """Any thread: accumulation.py `taken_before`."""
+        return self.accumulated.taken_before(epoch)
 
     def recent_admissions(self) -> list:
-        """Any thread: the admissions of the microbatches accumulated here in the last RECENT_EPOCHS epochs and
-        towards the current and next ones (rules.py `frontier` weighs stage 0's signers by them)."""
-        return [a for taken in list(self._recent) for a in taken] + [*self.served, *self.served_late, *self.served_next]
+        """Any thread: accumulation.py `recent_admissions`."""
+        return self.accumulated.recent_admissions()
 
     def served_for(self, epoch: int) -> list:
-        """Any thread: the admissions behind our weight in `epoch`'s round: those taken with its gradients (a
-        synchronous peer's round runs before its epoch moves on), or those accumulating towards it."""
-        taken, taken_epoch = self._served_taken, self._taken_epoch
-        if taken_epoch == epoch:
-            return list(taken)
-        return [*self.served, *self.served_late] if self.epoch == epoch else []
+        """Any thread: the admissions behind our weight in `epoch`'s round (accumulation.py `served_for`)."""
+        return self.accumulated.served_for(epoch, self.epoch)
 
     def skip_to(self, epoch: int) -> None:
         """Compute thread only. Move on to `epoch` without a step (the epochs in between had no samples here); the
         gradients accumulated towards the current epoch carry over."""
         with self.changing_state():
             if epoch > self.epoch:
-                for p, early in zip(self.params, self._next_grads, strict=True):
-                    if early is not None:
-                        p.grad = early if p.grad is None else p.grad.add_(early)
-                self._next_grads = [None] * len(self.params)
-                self.samples_accumulated, self.samples_next = self.samples_accumulated + self.samples_next, 0
-                self.served, self.served_next = self.served + self.served_next, []
+                self.accumulated.fold_next()
                 self.epoch = epoch
 
     def drop_gradients(self) -> None:
         """Compute thread only. Forget every accumulated gradient, this epoch's and the next's."""
-        for p in self.params:
-            p.grad = None
-        self._next_grads = [None] * len(self.params)
-        self.samples_accumulated = self.samples_next = self.samples_late = 0
-        self.served, self.served_next, self.served_late, self._served_taken = [], [], [], []
-        self._taken_epoch = None
+        self.accumulated.drop()
 
-    @torch.no_grad()
     def return_gradients(self, grads: list[torch.Tensor], n: int) -> None:
-        """Compute thread only. Undo `take_gradients`: the epoch goes on accumulating. Gradients of the next epoch
-        that were moved in since stay in it (the epoch stays open for them too)."""
-        for p, g in zip(self.params, grads, strict=True):
-            if n > 0:
-                p.grad = g.mul_(n) if p.grad is None else p.grad.add_(g, alpha=n)
-        self.samples_accumulated += n
-        self.served, self._served_taken, self._taken_epoch = self._served_taken + self.served, [], None
+        """Compute thread only. Undo `take_gradients`: the epoch goes on accumulating."""
+        self.accumulated.give_back(grads, n)
 
     @torch.no_grad()
     def apply_gradients(
@@ -447,7 +286,7 @@ class StageWorker:
                     p.grad = saved_grad
             if end_epoch:
                 self.epoch += 1
-            self._served_taken, self._taken_epoch = [], None  # that epoch's round is over
+            self.accumulated.stepped()  # that epoch's round is over
 
     def tied_state(self) -> list[torch.Tensor]:
         """Any thread. Our copy of the tied weight and its optimizer state, as CPU tensors: [weight, first moment,
@@ -578,29 +417,7 @@ class StageWorker:
 
     def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
         """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""
-        opt_state = self.optimizer.state_dict()
-        tensors = [p.detach() for p in self.params]
-        slots = []  # (param index, key) of every tensor in the optimizer state, in a fixed order
-        scalars = {}
-        for idx in sorted(opt_state["state"]):
-            for key in sorted(opt_state["state"][idx]):
-                value = opt_state["state"][idx][key]
-                if isinstance(value, torch.Tensor):
-                    slots.append([idx, key])
-                    tensors.append(value.detach())
-                else:
-                    scalars[f"{idx}/{key}"] = value
-        meta = {
-            "param_version": self.param_version,
-            "epoch": self.epoch,
-            "n_params": len(self.params),
-            "slots": slots,
-            "scalars": scalars,
-            "param_groups": opt_state["param_groups"],
-            "schedule": self.schedule.state_dict(),
-            "lineage": self.lineage,
-        }
-        return meta, tensors
+        return state_view(self.params, self.optimizer, self.schedule, self.param_version, self.epoch, self.lineage)
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor], with_state: Callable[[], None] | None = None) -> None:
         """Compute thread (or before serving). Inverse of `state_tensors`; raises ValueError on a mismatch, changing
@@ -622,175 +439,12 @@ class StageWorker:
                 with_state()
 
     def _parsed(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[int, dict], dict]:
-        """A downloaded state (`state_tensors`' form) as (parameters, optimizer state by parameter index, the schedule
-        state to load); raises ValueError unless it fits this stage, holds our optimizer settings and is finite: each
-        parameter's optimizer state of its shape, a step count of one number, the schedule ours at some position."""
-        n = meta["n_params"]
-        if n != len(self.params) or any(t.shape != p.shape for t, p in zip(tensors[:n], self.params, strict=False)):
-            raise ValueError("downloaded state does not match this stage's parameters (different model flags?)")
-        if len(tensors) != n + len(meta["slots"]):  # a stream that ended early (seen through a relay) is cut short
-            raise ValueError(f"the state is incomplete: {len(tensors)} tensors where its metadata lists "
-                             f"{n + len(meta['slots'])}")  # fmt: skip
-        self._check_optimizer_settings(meta["param_groups"])
-        if not all_finite(tensors):
-            raise ValueError("downloaded state has non-finite values")
-        state: dict = {}
-        for (idx, key), t in zip(meta["slots"], tensors[n:], strict=False):
-            state.setdefault(int(idx), {})[key] = t
-        for name, value in meta["scalars"].items():
-            idx, key = name.split("/", 1)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"state's optimizer scalar {name} is {value!r}, not a finite number")
-            state.setdefault(int(idx), {})[key] = value
-        for idx, slots in state.items():  # loaded as sent, a misfit would break our next step, every step after
-            if not 0 <= idx < n:
-                raise ValueError(f"state has optimizer state for parameter {idx} of {n}")
-            for key, value in slots.items():
-                want = () if key == "step" else tuple(self.params[idx].shape)
-                if isinstance(value, torch.Tensor) and tuple(value.shape) != want:
-                    raise ValueError(f"state's {key} of parameter {idx} has shape {tuple(value.shape)}, not {want}")
-        return tensors[:n], state, self._schedule_at(meta["schedule"])
-
-    def _schedule_at(self, theirs: object) -> dict:
-        """Our schedule's state at the position a downloaded state's schedule gives (its step counts and last
-        learning rates, checked); raises ValueError for one we could not be at. Nothing else of it is loaded: as
-        sent, a base rate of 1e6 set our next learning rates, a position of -10^6 a negative one (gradient ascent),
-        and a key of its own broke our next step."""
-        mine = self.schedule.state_dict()
-        if not isinstance(theirs, dict):
-            raise ValueError(f"state's schedule is {type(theirs).__name__}, not a dict")
-        position = {key: theirs.get(key) for key in ("last_epoch", "_step_count")}
-        for key, value in position.items():
-            if type(value) is not int or value < 0:
-                raise ValueError(f"state's schedule has {key} {value!r}, not a count")
-        last, peak = theirs.get("_last_lr"), max(g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups)
-        if (
-            not isinstance(last, list)
-            or len(last) != len(mine["_last_lr"])
-            or not all(isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= peak for x in last)
-        ):
-            wanted = f"{len(mine['_last_lr'])} within [0, {peak}]"
-            raise ValueError(f"state's schedule has last learning rates {str(last)[:80]}, not {wanted}")
-        return {**mine, **position, "_last_lr": list(last)}
-
-    def not_one_step_from_ours(self, meta: dict, tensors: list[torch.Tensor]) -> str | None:
-        """Compute thread. Why a downloaded state (`state_tensors`' form) is not our state after one optimizer step on
-        a gradient an honest peer could have stepped on, or None if it is. After a failed round the peer that steps
-        alone and the peers that copy it held one state: the copy then takes the stepper's word for a gradient, not
-        for a whole state. The gradient its first moments imply is replayed with our optimizer (`replay_step`) and
-        must be no larger than any step's: within --clip-grad-norm (the tied weight apart) and the gradient guard's
-        limit. The tied weight is not replayed (its round replaces its state before the step: `tied_not_within`),
-        nor the version (the caller's). Raises ValueError as `load_state` does for a state that does not fit, others for a malformed one."""
-        skip = () if self.tied_index is None else (self.tied_index,)
-        why, grads = self._beside_ours(
-            meta, tensors, functools.partial(replay_step, self.optim_cfg.optimizer, skip=skip)
-        )
-        if why is not None:
-            return why
-        rest = [g for i, g in enumerate(grads) if i != self.tied_index]
-        norm, clip, limit = total_norm(rest), self.optim_cfg.clip_grad_norm, self.guard.limit()
-        if clip > 0 and norm > clip * (1 + 1e-3):
-            return f"it stepped on a gradient of norm {norm:.3g}, above --clip-grad-norm {clip:g}"
-        if norm > limit:
-            return f"it stepped on a gradient of norm {norm:.3g}, above the gradient guard's limit {limit:.3g}"
-        return None
-
-    def not_within_steps_of_ours(self, meta: dict, tensors: list[torch.Tensor], steps: int) -> str | None:
-        """Compute thread. Why a downloaded state (`state_tensors`' form) `steps` versions past ours (0, or 2 and
-        more: too far to replay, as `not_one_step_from_ours` does one step) cannot be ours after that many steps on
-        gradients a step may hold (`server/optim.py` `not_within_steps`), or None if it can. The tied weight is
-        checked apart (`tied_not_within`). Raises as `not_one_step_from_ours` does."""
-        clip, name = self.optim_cfg.clip_grad_norm, self.optim_cfg.optimizer
-        check = functools.partial(
-            not_within_steps,
-            name,
-            steps=steps,
-            max_grad_norm=clip if clip > 0 else self.guard.limit(),
-            skip=() if self.tied_index is None else (self.tied_index,),
-        )
-        return self._beside_ours(meta, tensors, check)
-
-    def tied_not_within(self, meta: dict, tensors: list[torch.Tensor], steps: int | None) -> str | None:
-        """Compute thread. Why the tied weight of a downloaded state (`state_tensors`' form) cannot be our copy of it
-        moved by `steps` steps (None: any number), whatever their histories (`server/optim.py` `not_within_drift`),
-        or None; None too for a stage without one. Raises as `not_one_step_from_ours` does."""
-        i = self.tied_index
-        if i is None:
-            return None
-
-        def check(mine, _, groups, theirs, their_state) -> str | None:
-            return not_within_drift(self.optim_cfg.optimizer, mine[i], groups, theirs[i], their_state.get(i, {}), steps)
-
-        why = self._beside_ours(meta, tensors, check)
-        return None if why is None else f"its tied weight: {why}"
-
-    def _beside_ours(self, meta: dict, tensors: list[torch.Tensor], check: Callable[..., R]) -> R:
-        """Compute thread. `check`(our parameters, our optimizer state, our param groups, the state's parameters, its
-        optimizer state), all on the CPU, under the state lock: how server/optim.py's checks see a downloaded state
-        (`state_tensors`' form) beside ours. Raises ValueError as `load_state` does for a state that does not fit."""
-        params, state, _ = self._parsed(meta, tensors)
-        with self.state_lock:
-            opt = self.optimizer.state_dict()
-            mine = [p.detach().cpu() for p in self.params]
-            return check(mine, _on_cpu(opt["state"]), opt["param_groups"], [t.cpu() for t in params], _on_cpu(state))
+        """A downloaded state checked against ours (state.py `parse_state`): raises ValueError unless it fits."""
+        return parse_state(meta, tensors, self.params, self.optimizer, self.schedule)
 
     def branch(self) -> None:
         """Compute thread: we stepped alone; from now on our parameters have a history no peer shares."""
         self.lineage = secrets.token_hex(8)
-
-    def _check_optimizer_settings(self, groups: list[dict]) -> None:
-        """Raises ValueError unless a state's optimizer settings are this peer's: the same hyperparameters, and a
-        learning rate the schedule can produce (finite, between 0 and the peak)."""
-        mine = self.optimizer.param_groups
-        if not isinstance(groups, list) or len(groups) != len(mine):
-            raise ValueError(
-                f"state has {len(groups) if isinstance(groups, list) else '?'} parameter groups, not {len(mine)}"
-            )
-        indices = [group["params"] for group in self.optimizer.state_dict()["param_groups"]]
-        for theirs, own, ours in zip(groups, mine, indices, strict=True):
-            if not isinstance(theirs, dict):
-                raise ValueError(f"state's parameter group is {type(theirs).__name__}, not a dict")
-            if theirs.get("params") != ours:  # torch hangs each parameter's state on the one these name
-                raise ValueError(
-                    f"state's parameter group lists {str(theirs.get('params'))[:80]}, not {str(ours)[:80]}"
-                )
-            differ = sorted(k for k in own if k not in ("params", "lr") and _plain(theirs.get(k)) != _plain(own[k]))
-            if differ:
-                raise ValueError(
-                    "state's optimizer settings differ from this peer's: "
-                    + ", ".join(f"{k} {theirs.get(k)!r} (here {own[k]!r})" for k in differ[:4])
-                )
-            lr, peak = theirs.get("lr"), own.get("initial_lr", own["lr"])
-            if not isinstance(lr, int | float) or not 0 <= lr <= peak:
-                raise ValueError(f"state's learning rate {lr!r} is outside [0, {peak}]")
-
-    @contextlib.contextmanager
-    def _timed(self, kind: str, n_samples: int) -> Iterator[None]:
-        """Compute thread only. Times one forward or backward of `n_samples` samples into the EMA behind `throughput`.
-
-        `--slowdown` s > 1 emulates a device s times slower than this one running alone: the work is made to last
-        s x the least time this worker has taken for the same (kind, n_samples) so far, by sleeping the difference
-        between that and the actual elapsed time (never negative). CPU contention only lengthens elapsed times, so the
-        running minimum, and with it the emulated time, does not move with the load of other processes; sleeping,
-        not computing, leaves the CPU to them, as a slower device on another machine would. The EMA records the
-        emulated time even where contention made the work itself longer: the emulated device's speed does not depend
-        on what else runs on this machine (the rebalancer must not chase the 2-core test machine's scheduling noise).
-        s = 1 never sleeps.
-        """
-        start = time.perf_counter()
-        yield
-        synchronize(self.device)  # kernels run asynchronously: time them, not their launches
-        elapsed = time.perf_counter() - start
-        if self.compute_cfg.slowdown > 1.0:
-            key = (kind, n_samples)
-            fastest = self._fastest[key] = min(elapsed, self._fastest.get(key, elapsed))
-            emulated = self.compute_cfg.slowdown * fastest
-            if emulated > elapsed:
-                time.sleep(emulated - elapsed)
-            elapsed = emulated
-        per_sample = elapsed / max(n_samples, 1)
-        old = self._seconds_per_sample.get(kind)
-        self._seconds_per_sample[kind] = per_sample if old is None else 0.9 * old + 0.1 * per_sample
 
     @property
     def throughput(self) -> float:
@@ -799,9 +453,10 @@ class StageWorker:
             return self.prior_throughput
         # the last stage gets no Forward calls: its backward computes the loss
         kinds = ("backward",) if self.stage.is_last else ("forward", "backward")
-        if any(k not in self._seconds_per_sample for k in kinds):
+        seconds = self.timing.seconds_per_sample
+        if any(k not in seconds for k in kinds):
             return 0.0
-        return 1.0 / sum(self._seconds_per_sample[k] for k in kinds)
+        return 1.0 / sum(seconds[k] for k in kinds)
 
     def calibrate(self, batch_size: int, tries: int = 5) -> None:
         """Compute thread, before serving: time the work of a random microbatch, so that the announced throughput
@@ -812,7 +467,7 @@ class StageWorker:
         shape = (batch_size, cfg.max_seq_len)
         fastest: dict[str, float] = {}
         for _ in range(tries):
-            self._seconds_per_sample.clear()
+            self.timing.seconds_per_sample.clear()
             if index == 0:
                 inputs = torch.randint(0, cfg.vocab_size, shape, device=self.device)
             else:
@@ -823,11 +478,11 @@ class StageWorker:
                 self.backward(inputs, grad_outputs=torch.randn_like(self.forward(inputs)))
             for p in self.params:
                 p.grad = None
-            for kind, seconds in self._seconds_per_sample.items():
+            for kind, seconds in self.timing.seconds_per_sample.items():
                 fastest[kind] = min(seconds, fastest.get(kind, seconds))
-        self._seconds_per_sample = fastest
-        self.samples_processed = self.samples_accumulated = self.microbatches_processed = 0
-        self.served = []
+        self.timing.seconds_per_sample = fastest
+        self.samples_processed = self.microbatches_processed = 0
+        self.accumulated.drop()
         self.guard.reset()  # random inputs: their gradients say nothing about real ones
 
     def shutdown(self) -> None:

@@ -40,7 +40,8 @@ from server.collab.lowrank import (
     PowerSgdState,
 )
 from server.config import LOW_RANK_CODECS, AveragingConfig
-from server.worker import StageWorker, state_digest
+from server.state import state_digest
+from server.worker import StageWorker
 from swarm.compression import Codec, CompressionPolicy, TensorRole, get_codec
 from swarm.protocol.rpc import PROTOCOL_VERSION
 

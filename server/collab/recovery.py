@@ -22,7 +22,8 @@ from server.collab.averaging import StageAverager
 from server.collab.progress import StagePeers
 from server.config import AveragingConfig
 from server.optim import MAX_BOUNDED_STEPS
-from server.worker import StageWorker, state_digest
+from server.state import state_digest
+from server.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 UNUSABLE_STATE = (ValueError, KeyError, TypeError, AttributeError)  # what loading a malformed state raises
@@ -36,9 +37,9 @@ VOUCHERS = 4  # other peers of the stage asked whether they hold a state downloa
 
 class NotOneStep(Exception):
     """A state downloaded from the peer that stepped alone after a failed round (or from one we catch up from, which
-    holds a descendant of our state: `Recovery.load_checked`), one version past ours, is not our
-    state after one step on an honest gradient (`StageWorker.not_one_step_from_ours`); at another version, it is
-    behind ours or out of reach of ours in that many steps (`StageWorker.not_within_steps_of_ours`); or it is
+    holds a descendant of our state: `Recovery.load_checked`), one version past ours, is not our state after one
+    step on an honest gradient (server/state.py `StateChecks.not_one_step_from_ours`); at another version, it is
+    behind ours or out of reach of ours in that many steps (`StateChecks.not_within_steps_of_ours`); or it is
     malformed."""
 
 
@@ -428,22 +429,23 @@ class Recovery:
     def _check_one_step(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Compute thread: raises NotOneStep if a downloaded state one version past ours is not ours after one honest
         step, if one at another version is behind ours or further from ours than that many steps can take it
-        (`StageWorker.not_within_steps_of_ours`: an honest reference a step further already, or whose step was
-        skipped, passes; a liar claiming either is held to it), or if it is malformed (the sender's fault alike)."""
+        (server/state.py `StateChecks.not_within_steps_of_ours`: an honest reference a step further already, or whose
+        step was skipped, passes; a liar claiming either is held to it), or if it is malformed (the sender's fault
+        alike)."""
         try:
             steps = int(meta["param_version"]) - self.worker.param_version
             worker_tensors, _ = self.averager.split_state(meta, tensors)  # the low-rank factors are not checked
             if steps == 1:
-                why = self.worker.not_one_step_from_ours(meta, worker_tensors)
+                why = self.worker.checks.not_one_step_from_ours(meta, worker_tensors)
             elif steps < 0:
                 why = f"it is at version {meta['param_version']}, behind ours ({self.worker.param_version})"
             elif steps > (epochs := int(meta["epoch"]) - self.worker.epoch):  # a step an epoch at most (we were at one)
                 why = f"it claims {steps} steps in {epochs} epochs"
             else:  # a step further already, or its step skipped: bounded, not replayed
-                why = self.worker.not_within_steps_of_ours(meta, worker_tensors, steps)
+                why = self.worker.checks.not_within_steps_of_ours(meta, worker_tensors, steps)
             if why is None:  # the tied weight's copies drift apart between averages of their states: 2 steps an epoch
                 every = self.cfg.tied_average_every
-                why = self.worker.tied_not_within(meta, worker_tensors, steps + 2 * every if every else None)
+                why = self.worker.checks.tied_not_within(meta, worker_tensors, steps + 2 * every if every else None)
         except Exception as e:
             why = f"malformed state: {e!r}"
         if why is not None:

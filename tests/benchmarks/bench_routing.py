@@ -4,7 +4,7 @@ the stage then deliver the sum of its servers' capacities?
 A live 2-stage swarm (`LocalSwarm`): stage 0 has 2 fast servers; stage 1 (the last: loss and backward) has 3 servers
 slowed 1x, 2x and 4x (`--slowdown`), times a common `--base-slowdown` so that stage 1 is the bottleneck and its three
 servers together need well under the machine's 2 cores. A server's `--slowdown` N makes each backward last N x the
-fastest it has done that work, sleeping the rest (server/worker.py, `StageWorker._timed`): its speed does not move
+fastest it has done that work, sleeping the rest (server/compute.py, `Timing.timed`): its speed does not move
 with CPU contention as long as contention keeps its real compute under N x uncontended, which a base of 1 would not
 (the 1x server would compute all the time and fight the others for the CPU). Each round:
 

@@ -2,7 +2,7 @@
 where capacity is missing. The decision function itself is tested in test_rebalance.py.
 
 Servers run `--slowdown 30`: each emulates a device 30x slower than this CPU, sleeping rather than computing (see
-StageWorker._timed), so a stage's capacity is set by how many servers it has, not by how the 2 cores are shared at
+server/compute.py `Timing.timed`), so a stage's capacity is set by how many servers it has, not by how the 2 cores are shared at
 that moment, and the swarm's throughput can actually rise when the allocation improves.
 
 They also run with `--lookahead-samples 64`: in the exact default, stage 0 admits one global batch and waits for it to

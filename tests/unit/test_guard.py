@@ -14,7 +14,8 @@ import torch
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected
 from server.service import MAX_STATUS_CHARS
-from server.worker import StageWorker, state_digest
+from server.state import state_digest
+from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import tiny_test
 from swarm.model import Stage

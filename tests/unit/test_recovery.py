@@ -29,7 +29,8 @@ from server.optim import (
     not_within_steps,
     replay_step,
 )
-from server.worker import INITIAL_LINEAGE, StageWorker, state_digest, valid_lineage
+from server.state import INITIAL_LINEAGE, state_digest, valid_lineage
+from server.worker import StageWorker
 from swarm.config import tiny_test
 from swarm.model import Stage
 from swarm.protocol import wire_pb2 as pb

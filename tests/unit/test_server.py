@@ -189,7 +189,7 @@ def test_the_admissions_behind_each_count_follow_it_from_epoch_to_epoch():
 
 def test_control_jobs_run_before_waiting_requests():
     """Ending an epoch must not wait behind a burst of queued backwards (they would all fold into the epoch)."""
-    from server.worker import ComputeThread
+    from server.compute import ComputeThread
 
     compute, order, gate = ComputeThread("test"), [], threading.Event()
     try:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import server.worker
+import server.compute
 from server.config import ComputeConfig, OptimizerConfig
 from server.worker import StageWorker
 from swarm.config import tiny_test
@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 
 class FakeClock:
-    """Stands in for the `time` module inside server.worker: work and sleeps move it forward, nothing waits."""
+    """Stands in for the `time` module inside server.compute: work and sleeps move it forward, nothing waits."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -41,7 +41,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(server.worker, "time", fake)
+    monkeypatch.setattr(server.compute, "time", fake)
     return fake
 
 
@@ -54,7 +54,7 @@ def worker(slowdown: float, stage: int = 0) -> StageWorker:
 def work(w: StageWorker, clock: FakeClock, seconds: float, kind: str = "backward", n: int = 4) -> float:
     """One timed piece of work that takes `seconds` of (fake) compute; -> seconds it held the compute thread."""
     start = clock.now
-    with w._timed(kind, n):
+    with w.timing.timed(kind, n):
         clock.now += seconds
     return clock.now - start
 
