@@ -26,7 +26,8 @@ from server.heap import settle, trim_forever
 from server.metrics import fill_server_metrics
 from server.reachability import self_test
 from server.rebalancer import Rebalancer, sleep_unless
-from server.service import StageSchema, StageService
+from server.schema import StageSchema
+from server.service import StageService
 from server.worker import StageWorker
 from swarm import stacks
 from swarm.config import ModelConfig

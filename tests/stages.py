@@ -12,7 +12,8 @@ import torch
 
 from server.collab import LocalSteps
 from server.config import ComputeConfig, OptimizerConfig
-from server.service import StageSchema, StageService
+from server.schema import StageSchema
+from server.service import StageService
 from server.worker import StageWorker
 from swarm.compression import get_codec
 from swarm.config import ModelConfig

@@ -59,7 +59,7 @@ class TicketUnchecked(Exception):
 
 class TicketSpent(TicketRefused):
     """A Backward whose ticket a Backward here has used already: its gradient is counted. A retry after a reply that
-    was lost gets that reply again if the server still has it (service.py), else PERMISSION_DENIED."""
+    was lost gets that reply again if the server still has it (server/replies.py), else PERMISSION_DENIED."""
 
 
 def ticket_key(meta: pb.CallMeta | pb.Admission) -> tuple[str, str, int, int]:

@@ -1,6 +1,7 @@
 """Which codec each kind of traffic uses: one policy object, the same on every peer of the swarm.
 
-The trainer encodes activations and activation gradients with it (and asks servers to reply in kind); a server's
+The trainer encodes activations and activation gradients with it and asks servers to reply in kind (what a server
+accepts to be asked, `requested_reply_codec`, and when it replies so, `epilogue_codec`, are here too); a server's
 stage averaging takes the all-reduce, parameter-averaging and state-download codecs from it. Adding a technique
 means adding a codec and naming it here for a role, not branching elsewhere.
 """
@@ -8,12 +9,14 @@ means adding a codec and naming it here for a role, not branching elsewhere.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from swarm.compression.base import Codec, TensorRole
-from swarm.compression.registry import WHOLE_TENSOR_CODECS, get_codec
+from swarm.compression.registry import CODECS_BY_WIRE, WHOLE_TENSOR_CODECS, get_codec
+from swarm.protocol import wire_pb2 as pb
 
 # the role of each tensor of a stage call, by its name in the call (int64 tensors are tokens whatever their name)
 ROLE_OF_TENSOR = {
@@ -65,3 +68,40 @@ class CompressionPolicy:
 
     def describe(self) -> str:
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def requested_reply_codec(meta: pb.CallMeta, backward: bool) -> Codec:
+    """The codec a caller asks its reply in: by name (`reply_codec_name`, with its settings) or else by wire value
+    (`reply_codec`). ValueError for an unknown codec, a gradients-only one (low-rank, top-k) for a Forward's reply
+    (activations: as in a policy) or by wire value (its settings travel only in its name), or a `reply_epilogue`
+    outside [0, 1]."""
+    if meta.reply_codec_name:
+        try:
+            codec = get_codec(meta.reply_codec_name)
+        except ValueError as e:
+            raise ValueError(f"reply codec: {e}") from None
+        if codec.gradients_only and not backward:
+            raise ValueError(f"reply codec {codec.name!r} is for Backward replies only")
+        if not 0 <= meta.reply_epilogue <= 1:
+            raise ValueError(f"reply_epilogue {meta.reply_epilogue} outside [0, 1]")
+        return codec
+    if meta.reply_codec not in CODECS_BY_WIRE:
+        raise ValueError(f"unknown reply codec {meta.reply_codec}")
+    codec = CODECS_BY_WIRE[meta.reply_codec]
+    if codec.gradients_only:
+        raise ValueError(f"reply codec {meta.reply_codec} must be named (reply_codec_name)")
+    return codec
+
+
+def epilogue_codec(requested: Codec, epilogue: float, batch_done: Callable[[], float]) -> Codec:
+    """The codec a Backward's grad_inputs go out in, asked for as `requested` with `epilogue` (CallMeta
+    `reply_epilogue`, in [0, 1]); `batch_done()` is the share of its global batch the stage holds, this microbatch
+    included, read only where the rule needs it.
+
+    Epilogue-only compression (Optimus-CC; the critical path is the end of each global batch, where the all-reduce
+    waits for the last gradients): a gradients-only `requested` with 0 < epilogue < 1 is used only for the
+    microbatches that complete the last `epilogue` of the batch (batch_done() > 1 - epilogue); those before travel
+    blockwise8, which carries no error into the next. Any other codec, and an epilogue of 0 or 1, is used as asked."""
+    if requested.gradients_only and 0 < epilogue < 1 and batch_done() <= 1 - epilogue:
+        return CODECS_BY_WIRE[pb.CODEC_BLOCKWISE8]
+    return requested

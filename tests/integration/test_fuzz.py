@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from server.service import MAX_STATUS_CHARS
+from server.errors import MAX_STATUS_CHARS
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.config import tiny_test
 from swarm.protocol import wire_pb2 as pb

@@ -14,7 +14,8 @@ import torch
 from dht.identity import Identity
 from server.collab import rules
 from server.collab.epoch import Phase
-from server.service import DRAIN_S, ReplyCache
+from server.replies import ReplyCache
+from server.service import DRAIN_S
 from swarm.compression import CompressionPolicy, get_codec
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import iter_frames

@@ -412,7 +412,7 @@ def test_a_relayed_tensor_is_the_same_bytes_under_a_new_name():
 
 
 def test_a_fingerprint_is_of_the_tensors_not_of_how_they_arrived():
-    """The reply cache hands a reply only to the request it was computed for (server/service.py ReplyCache): the
+    """The reply cache hands a reply only to the request it was computed for (server/replies.py ReplyCache): the
     fingerprint of one request is the same whatever pieces its payloads came in, and differs for another shape, other
     bytes at either end, another key, or a change anywhere a sender happens to hit."""
     x = torch.randn(4, 64, 32)

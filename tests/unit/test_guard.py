@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
+from server.errors import MAX_STATUS_CHARS
 from server.guard import GradientGuard, GradientRejected
-from server.service import MAX_STATUS_CHARS
 from server.state import state_digest
 from server.worker import StageWorker
 from swarm.compression import CompressionPolicy, get_codec

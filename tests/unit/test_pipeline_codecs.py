@@ -1,5 +1,6 @@
 """The pipeline's compressing codecs: piecewise N-bit, low-rank activation gradients and token top-k with lazy error
-propagation; garbage and forged parameters; the reply codec a caller names, through a real stage server."""
+propagation; garbage and forged parameters; the reply codec a caller asks for and when a server uses it, alone and through a real
+stage server."""
 
 import asyncio
 import math
@@ -11,6 +12,7 @@ import torch
 from swarm.compression import CodecContext, CompressionPolicy, TensorRole, get_codec
 from swarm.compression.memory import ErrorMemory
 from swarm.compression.piecewise import magnitude_levels
+from swarm.compression.policy import epilogue_codec, requested_reply_codec
 from swarm.config import tiny_test
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.tensors import EncodedTensor, WireError, WireStats, check_encoded, decode_tensor, encode_tensor
@@ -214,6 +216,40 @@ def test_codec_names_and_roles():
     assert CompressionPolicy.for_wire("piecewise4", "topk50+piecewise4-noef").activation_gradients == (
         "topk50+piecewise4-noef"
     )
+
+
+def test_a_requested_reply_codec_is_checked_as_a_policys_codecs_are():
+    """A reply codec by wire value is one without settings; by name, a gradients-only one is for Backward replies
+    only, and its epilogue a share in [0, 1]. The service refuses the rest with INVALID_ARGUMENT and these words."""
+    assert requested_reply_codec(pb.CallMeta(reply_codec=pb.CODEC_FLOAT16), backward=False).name == "fp16"
+    named = pb.CallMeta(reply_codec_name="lowrank4", reply_epilogue=0.25)
+    assert requested_reply_codec(named, backward=True).name == "lowrank4"
+    for meta, backward, message in (
+        (pb.CallMeta(reply_codec_name="lowrank4"), False, "^reply codec 'lowrank4' is for Backward replies only$"),
+        (pb.CallMeta(reply_codec_name="lowrank0"), True, "^reply codec: "),
+        (pb.CallMeta(reply_codec_name="x" * 100), True, "^reply codec: unknown codec"),
+        (pb.CallMeta(reply_codec_name="topk50+none", reply_epilogue=1.5), True, "^reply_epilogue 1.5 outside"),
+        (pb.CallMeta(reply_codec_name="topk50+none", reply_epilogue=math.nan), True, "^reply_epilogue nan outside"),
+        (pb.CallMeta(reply_codec=pb.CODEC_LOWRANK), True, "must be named"),
+        (pb.CallMeta(reply_codec=99), True, "^unknown reply codec 99$"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            requested_reply_codec(meta, backward)
+
+
+def test_a_gradients_only_reply_codec_is_used_in_the_epilogue_of_the_batch_only():
+    """`epilogue_codec` with an epilogue of 0.25: a low-rank reply once the stage holds more than 0.75 of its global
+    batch (this microbatch included), 8-bit before; with an epilogue of 0 or 1, or a codec that carries no error, the
+    codec asked for, without reading the batch's share."""
+    lowrank = get_codec("lowrank4")
+    chosen = [epilogue_codec(lowrank, 0.25, lambda done=done: done).name for done in (0.25, 0.5, 0.75, 1.0)]
+    assert chosen == ["blockwise8"] * 3 + ["lowrank4"]
+
+    def unread() -> float:
+        raise AssertionError("the batch's share is read only where the rule needs it")
+
+    for codec, epilogue in ((lowrank, 0.0), (lowrank, 1.0), (get_codec("piecewise4"), 0.25)):
+        assert epilogue_codec(codec, epilogue, unread) is codec
 
 
 def test_epilogue_only_compression_compresses_the_microbatches_that_complete_the_batch():
