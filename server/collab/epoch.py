@@ -690,7 +690,7 @@ class StageCollaboration:
             if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
                 # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead) leaves
                 # the group within --peer-timeout, and a round left with nobody gives up at once instead of holding
-                # the compute thread for --averaging-timeout (averaging.py, `nobody_left`). And call into the round a
+                # the compute thread for --averaging-timeout (rounds.py, `nobody_left`). And call into the round a
                 # peer still accumulating the epoch (it joined, or copied a state, after our call to end it): it would
                 # otherwise come only on its own count, or on a call from a later epoch
                 last_heartbeat = time.monotonic()

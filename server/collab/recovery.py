@@ -18,8 +18,8 @@ from concurrent.futures import Executor
 
 import torch
 
-from server.collab.averaging import StageAverager
 from server.collab.progress import StagePeers
+from server.collab.stage_averager import StageAverager
 from server.config import AveragingConfig
 from server.optim import MAX_BOUNDED_STEPS
 from server.state import state_digest

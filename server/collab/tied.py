@@ -33,8 +33,9 @@ import torch
 from hivemind.compression import NoCompression, PerTensorCompression
 
 from dht.node import SwarmDHT
-from server.collab.averaging import GradientAveraging, butterfly_bytes, hivemind_compression
 from server.collab.compat.averager import StrictAverager
+from server.collab.rounds import GradientAveraging, butterfly_bytes
+from server.collab.stage_averager import hivemind_compression
 from server.config import AveragingConfig
 from server.worker import StageWorker
 from swarm.compression import get_codec

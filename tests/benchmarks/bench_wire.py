@@ -46,7 +46,7 @@ def pick_model(preset: str | None, device: torch.device, seq_len: int | None) ->
 # ---------------------------------------------------------------------------------------------------- bytes on the wire
 def hivemind_codecs() -> dict:
     """The all-reduce's own codecs (hivemind's), as the server configures them."""
-    from server.collab.averaging import hivemind_compression
+    from server.collab.stage_averager import hivemind_compression
 
     return {name: hivemind_compression(CODECS[name]) for name in WHOLE_TENSOR_CODECS}
 

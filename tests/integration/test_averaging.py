@@ -24,10 +24,10 @@ from hivemind.utils.asyncio import as_aiter
 
 from dht.forking import forking
 from dht.node import start_dht
-from server.collab.averaging import hivemind_compression
 from server.collab.compat.averager import MAX_WAITING_PARTS, AveragerClosed, StrictAverager
 from server.collab.compat.process import ClosesReplica
 from server.collab.compat.runner import ExactAllReduceRunner
+from server.collab.stage_averager import hivemind_compression
 from swarm.compression import get_codec
 from tests.conftest import wait_for
 from tests.unit.test_averaging import CountsEnds, CutShort

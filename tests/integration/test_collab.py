@@ -28,7 +28,7 @@ from trainer.data import load_corpus, microbatches
 
 pytestmark = [pytest.mark.integration]
 
-PROBED = "holds the same parameters: nothing to average"  # a server's log line (server/collab/averaging.py)
+PROBED = "holds the same parameters: nothing to average"  # a server's log line (server/collab/rounds.py)
 MODEL_FLAGS = {"d_model": 64, "n_heads": 4, "d_ff": 128, "max_seq_len": 64, "n_stages": 3, "layers_per_stage": 2}
 LR, WEIGHT_DECAY, BATCH, GLOBAL_BATCH, EPOCHS = 1e-3, 0.01, 4, 16, 20
 TRAINERS, IN_FLIGHT = 2, 3  # 24 samples in flight: more than a global batch

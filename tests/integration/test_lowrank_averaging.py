@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from server.collab.averaging import ParameterAveraging
 from server.collab.lowrank import LowRankState
+from server.collab.rounds import ParameterAveraging
 from server.stage_server import StageServer
 from tests.peers import meet, stage_servers, start_server
 

@@ -19,11 +19,11 @@ from hivemind.compression import NoCompression, deserialize_torch_tensor, serial
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
-from server.collab.averaging import PHASE_DIGEST, PHASE_PARAMS, StageAverager, hivemind_compression
 from server.collab.compat.averager import StrictAverager
 from server.collab.compat.download import _declared
 from server.collab.compat.runner import ClippedPartReducer, ExactAllReduceRunner, balance_parts
 from server.collab.lowrank import PHASE_FULL, PHASE_P, PHASE_PSGD_P, PHASE_PSGD_Q, PHASE_Q
+from server.collab.stage_averager import PHASE_DIGEST, PHASE_PARAMS, StageAverager, hivemind_compression
 from swarm.compression import get_codec
 from tests.peers import wait_for_async
 

@@ -16,10 +16,10 @@ from hivemind.averaging.partition import AllreduceException
 
 from dht.identity import Identity
 from dht.records import PeerEntry, ServerRecord
-from server.collab.averaging import ParameterAveraging, round_result
 from server.collab.compat.averager import AveragerClosed
 from server.collab.epoch import Phase, StageCollaboration
 from server.collab.progress import UNHEARD_HOLD_S, StagePeers
+from server.collab.rounds import ParameterAveraging, round_result
 from server.config import AveragingConfig
 from swarm.compression import get_codec
 from swarm.protocol import wire_pb2 as pb

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from server.checkpoint import load_checkpoint, save_checkpoint
-from server.collab.averaging import StageAverager
 from server.collab.lowrank import AcpState, Layout
 from server.collab.progress import StagePeers
 from server.collab.recovery import JOIN_READS, Recovery, Unvouched, vouched
 from server.collab.rules import REFUSED_EPOCHS, catch_up_source
+from server.collab.stage_averager import StageAverager
 from server.config import AveragingConfig, ComputeConfig, OptimizerConfig
 from server.optim import (
     MAX_BOUNDED_STEPS,

@@ -221,7 +221,7 @@ class StrictAverager(SharesState):
     def gives_way(self, gathered: object) -> bool:
         """The averager's process: whether our round that gathered this (in a fixed group) fails as soon as a member
         asks us for another round, instead of waiting for that member's part: a round whose answer is whether every
-        member began it (server/collab/averaging.py: a parameter round's probe)."""
+        member began it (server/collab/rounds.py: a parameter round's probe)."""
         return False
 
     def _give_way(self, group_id: bytes, member: PeerID) -> None:
