@@ -1,9 +1,10 @@
 """Training semantics of a stage: the protocol a server drives (base), progress between peers (progress), the epoch
-protocol (epoch), averaging on hivemind (averaging), state transfers (recovery), and the private hivemind APIs they
-need (compat)."""
+protocol (epoch) with its rules (rules) and its step (stepper), stage 0's admissions (gate), averaging on hivemind
+(averaging), state transfers (recovery), and the private hivemind APIs they need (compat)."""
 
 from server.collab.base import Collaboration, LocalSteps
-from server.collab.epoch import AdmissionRefused, Behind, Phase, ProgressRefused, StageCollaboration
+from server.collab.epoch import Behind, Phase, ProgressRefused, StageCollaboration
+from server.collab.gate import AdmissionRefused
 
 __all__ = [
     "AdmissionRefused",

@@ -6,11 +6,11 @@ trains one model per stage rather than one per peer. The peer whose count comple
 join the all-reduce; peers that received nothing this epoch take part with weight 0. A failed round, a peer that fell
 behind, and a joiner are handled by recovery.py.
 
-Stage 0 decides which global batch a microbatch belongs to when it admits its Forward (admission.py), and every later
-call of the microbatch carries it: each stage adds the microbatch's gradient to that global batch, and ends an epoch
-as soon as a call shows that stage 0 has moved past it. With no lookahead, every sample of a global batch is computed
-at one set of parameters on every stage, as in one process: the pipeline drains at each step. Admission is the only
-place where the number of trainers and of their microbatches in flight meets the global batch.
+Stage 0 decides which global batch a microbatch belongs to when it admits its Forward (gate.py, admission.py), and
+every later call of the microbatch carries it: each stage adds the microbatch's gradient to that global batch, and
+ends an epoch as soon as a call shows that stage 0 has moved past it. With no lookahead, every sample of a global
+batch is computed at one set of parameters on every stage, as in one process: the pipeline drains at each step.
+Admission is the only place where the number of trainers and of their microbatches in flight meets the global batch.
 
 How an ending epoch's round and step run is the stepper's (stepper.py): synchronously on the compute thread, or with
 `--delay-optimizer-step` in the background while the stage computes with the previous parameters.
@@ -33,11 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dht.node import SwarmDHT
 from dht.reads import ThrottledRead
 from server.collab import rules
-from server.collab.admission import Admission, Decision
 from server.collab.averaging import averager_options, build_averaging
 from server.collab.compat import check_version
 from server.collab.compat.codec import warm_up_8bit
-from server.collab.leases import Leases
+from server.collab.gate import ADMISSION_REPLY_MARGIN_S, Gate
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
@@ -63,15 +62,6 @@ def _idle(task: asyncio.Future | None) -> bool:
 class ProgressRefused(Exception):
     """A Progress message that must not count: unsigned, from a peer the DHT does not list on this stage, or
     implausible. The sender gets PERMISSION_DENIED."""
-
-
-FIRST_ADMISSION_WAIT_S = 2.0  # stage 0: how long a starting peer waits for its stage peers' counts before admitting
-ADMISSION_REPLY_MARGIN_S = 1.5  # a Forward held for the next global batch is refused this long before its deadline
-
-
-class AdmissionRefused(Exception):
-    """This peer's share of the global batch is full, others' are not: the microbatch belongs on another peer; or
-    the batch has not stepped yet and the call's deadline is near: the trainer asks again shortly."""
 
 
 class Behind(Exception):
@@ -135,7 +125,6 @@ class StageCollaboration:
         if self.tied is not None:  # in the tied round too, for our own stage's peers
             self.tied.cap_own_stage(self._proven_weights, float(self._most_samples()))
         self.phase = Phase.ACCUMULATING
-        self.admitting = True  # stage 0: False once the peer is leaving the stage
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         parts = (worker, self.averaging, self.tied, self.peers, self.recovery, averaging, stage, self._pool)
@@ -147,17 +136,24 @@ class StageCollaboration:
         self._kick = asyncio.Event()
         # the DHT reads an unlisted sender of Progress triggers
         self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)
-        self.admission = Admission(self.peers, epochs.samples_per_step, epochs.lookahead_samples)  # stage 0
-        self.leases = Leases(epochs.admission_timeout)  # stage 0: how long an admission may stay away (leases.py)
-        self._admission = asyncio.Event()  # set when an admission may have become possible
+        self.gate = Gate(  # stage 0's admissions (gate.py)
+            worker,
+            self.peers,
+            self.tickets,
+            sdht.peer_id,
+            epochs,
+            self._most_samples(),
+            stopped=self._stopping,
+            behind=lambda: self.phase is Phase.RECOVERING or rules.behind_for_admission(self.view()),
+            kick=self._kick.set,
+            tell=self._tell,
+            spawn=self._spawn,
+        )
         self._stepped = asyncio.Event()  # set while no epoch is ending (`_step_before`)
         self._stepped.set()
         # set unless an ending epoch's step is yet to be queued on the compute thread (`_wait_for_the_step_job`)
         self._step_queued = asyncio.Event()
         self._step_queued.set()
-        self._first_admission: asyncio.Future | None = None  # stage 0: the DHT read before our first admission
-        self._claiming: tuple[int, asyncio.Future] | None = None  # stage 0: our claim of an epoch's share, in flight
-        self._stalled_at = (0, 0, time.monotonic())  # stage 0: (epoch, samples done, since when) unchanged
         self._tasks: set[asyncio.Task] = set()
         self._poller: asyncio.Task | None = None
         self._ending: int | None = None  # the epoch we last began to end
@@ -263,7 +259,7 @@ class StageCollaboration:
 
     async def stop(self) -> None:
         self.phase = Phase.STOPPED
-        self._admission.set()  # waiting admissions see the stop and refuse
+        self.gate.wake()  # waiting admissions see the stop and refuse
         pending = [t for t in (self._poller, *self._tasks) if t is not None]
         for task in pending:
             task.cancel()
@@ -334,9 +330,9 @@ class StageCollaboration:
             now = time.monotonic()
             for a in (*msg.served, *msg.taken):
                 if a.admitted_by == self.sdht.peer_id:
-                    self.leases.returned(ticket_key(a), now)
+                    self.gate.leases.returned(ticket_key(a), now)
         self.peers.record(msg)
-        if first:  # a peer that just started: it waits for our count before it admits (_meet_stage_peers)
+        if first:  # a peer that just started: it waits for our count before it admits (gate.py)
             self._spawn(self._broadcast(end_epoch=False))
         logger.debug(
             "progress from %s: epoch %d, %d samples%s (we are at %d, %s)",
@@ -350,11 +346,13 @@ class StageCollaboration:
         if msg.end_epoch and rules.on_end_message(self.view(), int(msg.epoch), msg.peer_id):
             self._spawn(self._end_epoch_once(int(msg.epoch)))
         self._kick.set()
-        self._admission.set()
+        self.gate.wake()
         held = self.served.held(msg.peer_id, int(msg.epoch))
         if not msg.claims:
             return pb.ProgressAck(epoch=self.epoch, served_held=held)
-        admitted, admitted_next = self.admission.counts(int(msg.epoch))  # from here on we count the claimant's share
+        admitted, admitted_next = self.gate.admission.counts(
+            int(msg.epoch)
+        )  # from here on we count the claimant's share
         return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next, served_held=held)
 
     def _most_samples(self) -> int:
@@ -428,8 +426,8 @@ class StageCollaboration:
             epoch,
             samples,
             end_epoch,
-            self.admission.counts(epoch),
-            not self.admitting,
+            self.gate.admission.counts(epoch),
+            not self.gate.admitting,
             lineage=lineage,
             averaged=self.stepper.averaged,
             recovering=self.phase is Phase.RECOVERING,
@@ -440,142 +438,19 @@ class StageCollaboration:
         )
 
     async def admit(self, microbatch_id: str, n: int, deadline: float | None = None, caller: str = "") -> Ticket:
-        """Event loop, stage 0, before a Forward of `n` samples that a Backward will follow: wait (until `deadline`, a
-        monotonic time) for a global batch with room (server/collab/admission.py). Returns the global batch it joins
-        and our epoch now, signed (tickets.py). Raises AdmissionRefused when the microbatch belongs on another peer of
-        stage 0."""
-
-        def patience() -> float | None:  # how long we may still wait before we must answer the caller
-            return None if deadline is None else max(deadline - ADMISSION_REPLY_MARGIN_S - time.monotonic(), 0.0)
-
-        if not await self._read_peers_before_first_admission(patience()):
-            raise AdmissionRefused("admission: this peer of stage 0 is still meeting its stage's peers; ask again")
-        self.leases.asked(caller, time.monotonic())
-        while True:
-            epoch = self.epoch  # the compute thread may move it on: decide and record against one reading
-            if not self.admitting or self.phase is Phase.STOPPED:
-                raise AdmissionRefused("admission: this peer of stage 0 is leaving the stage")
-            if self.phase is Phase.RECOVERING or rules.behind_for_admission(self.view()):
-                self._kick.set()
-                raise AdmissionRefused("admission: this peer of stage 0 is behind its stage, catching up")
-            if self.peers.must_claim(epoch):
-                if not await self._claim(epoch, patience()):
-                    raise AdmissionRefused(
-                        "admission: a peer of stage 0 does not count this one among the admitting peers yet"
-                    )
-                continue  # the epoch may have moved on meanwhile
-            open_samples = self.cfg.samples_per_step + self.cfg.lookahead_samples
-            share = self.leases.share(caller, open_samples, time.monotonic(), n)
-            if (held := self.leases.holds(caller)) + n > share:
-                raise AdmissionRefused(
-                    f"admission: this caller holds {held} samples of the open global batches, its share while others "
-                    f"ask is {share}; ask again once some came back"
-                )
-            placed = self.admission.place(epoch, n)
-            if placed is Decision.REFUSE:
-                raise AdmissionRefused(
-                    f"admission: stage 0 admits its share of global batch {epoch} on each of its peers; this peer's "
-                    f"share is full and another peer's is not"
-                )
-            if placed is not Decision.WAIT:
-                break
-            self.leases.waited(caller, time.monotonic())
-            if patience() == 0.0:
-                # answer while the caller still listens: a call that times out looks like a dead peer to it (a ban),
-                # a refusal is retried shortly (a stage further down the pipeline may be slow or frozen meanwhile)
-                raise AdmissionRefused(f"admission: global batch {epoch} is full and has not stepped yet; ask again")
-            self._admission.clear()
-            try:
-                await asyncio.wait_for(self._admission.wait(), self.cfg.progress_period)
-            except TimeoutError:
-                pass
-        assert isinstance(placed, int)
-        self.admission.record(placed, n, epoch)
-        self.leases.grant((self.sdht.peer_id, microbatch_id, placed, epoch), caller, placed, n, time.monotonic())
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "admitted %s (%d samples) into batch %d at epoch %d: ours %d, theirs %s, admitting %s",
-                microbatch_id,
-                n,
-                placed,
-                epoch,
-                self.admission.admitted.get(placed, 0),
-                {p[-6:]: self.peers.admitted_by(p, placed) for p in self.peers.peers},
-                [p[-6:] for p in self.peers.admitting(placed)],
-            )
-        if self.peers.peers:  # the other peers of stage 0 count our admissions
-            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
-        return Ticket(placed, epoch, *self.tickets.sign(microbatch_id, n, placed, epoch))
-
-    async def _claim(self, epoch: int, timeout: float | None = None) -> bool:
-        """Stage 0, before admitting towards `epoch`: make sure every peer counts us among the admitting peers of it,
-        and learn what each had admitted when it began to (StagePeers.claim). A peer that saw no admission of ours
-        lately counts no share for us and may admit the whole batch: without the claim, a peer that joined late or
-        that trainers had not found yet overfilled the batch by its own share (24 samples in a global batch of 16).
-        Concurrent admissions share one claim; one that cannot wait `timeout` seconds for it gets False meanwhile (a
-        frozen peer holds the claim for --peer-timeout, and an unanswered Forward looks like a dead peer to the
-        trainer: a ban, and a doubled deadline)."""
-        if self._claiming is None or self._claiming[0] != epoch or self._claiming[1].done():
-            current = self.epoch == epoch
-            samples = self.worker.samples_accumulated if current else 0
-            served = self.worker.served_for(epoch) if current else []  # read after the count: covers it
-            claim = self.peers.claim(epoch, samples, self.admission.counts(epoch), self._most_samples(), served)
-            self._claiming = epoch, asyncio.ensure_future(claim)
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._claiming[1]), timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.debug("stage 0: claiming a share of global batch %d failed: %r", epoch, e)
-            return False
-
-    async def _read_peers_before_first_admission(self, timeout: float | None = None) -> bool:
-        """Before our first admission, learn what the other peers of stage 0 admitted: a peer that started alone, or
-        before us, may hold more than its share of the open batch. Peers that start together read the DHT before the
-        others are listed, so read it again now (a trainer calls us only once it has found us, and by then it
-        usually finds them too), tell them our count, and wait (up to FIRST_ADMISSION_WAIT_S) until each has told us
-        theirs: a peer answers a stage peer's first message with its own (on_progress). Returns False if that is still
-        under way after `timeout` seconds (a DHT read, or a frozen peer's Progress, holds it): answer the caller."""
-        if self._first_admission is None:
-            self._first_admission = asyncio.ensure_future(self._meet_stage_peers())
-        try:
-            await asyncio.wait_for(asyncio.shield(self._first_admission), timeout)
-        except asyncio.CancelledError:
-            raise
-        except TimeoutError:
-            return False
-        except Exception as e:  # the regular reads go on; a failed one must not refuse the microbatch
-            logger.debug("stage 0: meeting the stage's peers before the first admission failed: %r", e)
-        return True
-
-    async def _meet_stage_peers(self) -> None:
-        await self.peers.refresh()
-        if not self.peers.peers:
-            return
-        await self._broadcast(end_epoch=False)
-        give_up = time.monotonic() + FIRST_ADMISSION_WAIT_S
-        while not all(map(self.peers.heard_from, self.peers.peers)) and time.monotonic() < give_up:
-            self._admission.clear()
-            try:
-                await asyncio.wait_for(self._admission.wait(), give_up - time.monotonic())
-            except TimeoutError:
-                pass
+        """Event loop, stage 0, before a Forward (gate.py `admit`)."""
+        return await self.gate.admit(microbatch_id, n, deadline, caller)
 
     def release(self, ticket: Ticket, microbatch_id: str, n: int) -> None:
         """Event loop: an admitted microbatch failed before it was computed; it will not come back."""
-        self.leases.released((ticket.signer, microbatch_id, ticket.global_batch, ticket.admitted_at))
-        self.admission.release(ticket.global_batch, n)
-        if self.peers.peers:
-            self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
+        self.gate.release(ticket, microbatch_id, n)
 
     def unobserve(self, meta: pb.CallMeta) -> None:
         self.tickets.forget(meta)
 
     async def stop_admitting(self) -> None:
         """Event loop: this peer leaves the stage; its stage-0 peers stop holding a share of each batch for it."""
-        self.admitting = False
-        self._admission.set()
-        await self._broadcast(end_epoch=False)
+        await self.gate.stop_admitting()
 
     async def observe(
         self,
@@ -594,7 +469,7 @@ class StageCollaboration:
         its retry, here or on another peer, is judged afresh. `on_spent`, `deadline`: see Collaboration.observe."""
         await self.tickets.check(meta, samples, backward)
         if backward and meta.admitted_by == self.sdht.peer_id:  # one of ours came back
-            self.leases.returned(ticket_key(meta), time.monotonic())
+            self.gate.leases.returned(ticket_key(meta), time.monotonic())
         try:
             if backward and on_spent is not None:
                 on_spent()
@@ -686,7 +561,7 @@ class StageCollaboration:
                 return
             self._kick.clear()
             if self.stage == 0:
-                self._release_run_out()
+                self.gate.release_run_out()
             if self.phase is Phase.ENDING and time.monotonic() - last_heartbeat >= self.network.peer_timeout / 2:
                 # while a round runs, tell the peers our count again: one that stopped answering (frozen, dead) leaves
                 # the group within --peer-timeout, and a round left with nobody gives up at once instead of holding
@@ -700,21 +575,6 @@ class StageCollaboration:
                 self._refreshing = self._spawn(self._refresh())
             if _idle(self._checking):
                 self._checking = self._spawn(self._maybe_end_epoch())
-
-    def _release_run_out(self) -> None:
-        """Stage 0: admissions whose leases ran out (leases.py) are admitted again: the batch does not wait for them."""
-        run_out = self.leases.run_out(time.monotonic())
-        for batch, n in run_out:
-            self.admission.release(batch, n)
-        if run_out:
-            logger.info(
-                "stage 0: %d admitted microbatches (%d samples) stayed away past their lease; admitting as many again",
-                len(run_out),
-                sum(n for _, n in run_out),
-            )
-            self._admission.set()
-            if self.peers.peers:
-                self._spawn(self._broadcast(end_epoch=False, via_hubs=True))
 
     async def _refresh(self) -> None:
         await self.peers.refresh()
@@ -736,7 +596,7 @@ class StageCollaboration:
 
     async def _maybe_end_epoch(self) -> None:
         view = self.view()
-        decision = rules.on_poll(view, lost=self._lost_microbatches(view.epoch))
+        decision = rules.on_poll(view, lost=self.stage == 0 and self.gate.lost_microbatches(view.epoch))
         if decision.act is Act.CATCH_UP:
             await self._catch_up()
             return
@@ -748,29 +608,12 @@ class StageCollaboration:
                     "stage 0 epoch %d: %d of its %d admitted samples came back in %.0fs; ending the epoch without "
                     "the rest",
                     view.epoch,
-                    self._stalled_at[1],
-                    self.admission.total(view.epoch),
+                    self.gate.stalled_at[1],
+                    self.gate.admission.total(view.epoch),
                     self.cfg.admission_timeout,
                 )
             await self._broadcast(end_epoch=True, via_hubs=True)
         await self._end_epoch_once(view.epoch)
-
-    def _lost_microbatches(self, epoch: int) -> bool:
-        """Stage 0: whether `epoch`'s global batch is admitted but its Backwards stopped arriving --admission-timeout
-        ago (rules.py `lost_microbatches`). Keeps the time since the samples done last changed."""
-        if self.stage != 0:
-            return False
-        done = self.worker.samples_accumulated + self.peers.samples_in(epoch)
-        now = time.monotonic()
-        if (epoch, done) != self._stalled_at[:2]:
-            self._stalled_at = (epoch, done, now)
-        admitted = self.admission.total(epoch)
-        if admitted < self.cfg.samples_per_step:
-            self._stalled_at = (epoch, done, now)
-        stalled_for = now - self._stalled_at[2]
-        return rules.lost_microbatches(
-            self.stage, admitted, self.cfg.samples_per_step, stalled_for, self.cfg.admission_timeout
-        )
 
     async def _end_epoch_once(self, epoch: int, skip_to: int | None = None) -> None:
         """End `epoch` (if we are still in it): average and step. `skip_to`: stage 0 is already there (observe)."""
@@ -784,7 +627,7 @@ class StageCollaboration:
             try:
                 self.peers.forget_before(epoch)
                 self.served.forget_before(epoch - KEEP_EPOCHS)
-                self.leases.forget_before(epoch + 1)  # the batch is over: its microbatches still away are late
+                self.gate.leases.forget_before(epoch + 1)  # the batch is over: its microbatches still away are late
                 await self.served.settle(epoch)  # the admissions behind the counts that ended the epoch: the caps
                 if self.peers.group_size(epoch) <= 1:
                     # about to step alone: peers that started with us may not be listed yet, and if each stepped
@@ -800,7 +643,7 @@ class StageCollaboration:
         finally:
             if self.phase is Phase.ENDING:
                 self.phase = Phase.ACCUMULATING
-            self._admission.set()
+            self.gate.wake()
             self._stepped.set()
             self._end_times.append(time.monotonic() - began)
         self.averaging.state.state_sharing_priority = self.worker.param_version
@@ -849,4 +692,4 @@ class StageCollaboration:
             if self.phase is Phase.RECOVERING:
                 self.phase = Phase.ACCUMULATING
                 self._spawn(self._broadcast(end_epoch=False))
-            self._admission.set()
+            self.gate.wake()

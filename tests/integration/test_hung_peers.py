@@ -17,7 +17,7 @@ import pytest
 
 from dht.records import PeerEntry, ServerRecord
 from server.collab import AdmissionRefused
-from server.collab.epoch import ADMISSION_REPLY_MARGIN_S
+from server.collab.gate import ADMISSION_REPLY_MARGIN_S
 from server.collab.progress import StagePeers
 from server.stage_server import MAX_ANNOUNCES_IN_FLIGHT, PeerState, StageServer
 from swarm.protocol import wire_pb2 as pb
