@@ -1,6 +1,6 @@
 """Pipeline efficiency: a local swarm's samples/s against the best case, the same stages in one process.
 
-Swarm: `tools.local.LocalSwarm`, one DHT node, one server per stage, one trainer (`--in-flight` microbatches), codec
+Swarm: `tools.processes.LocalSwarm`, one DHT node, one server per stage, one trainer (`--in-flight` microbatches), codec
 none and blockwise8, for shared (`--share-layers`) and unshared blocks. One layout's servers run at a time (idle
 servers still announce and poll the DHT, which is not free on 2 cores); trainers are started one at a time and measured
 over a window of their own progress after a warm-up.

@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 from swarm.config import ModelConfig
 from swarm.model import GPT, clip_gradients
 from tests.benchmarks import common
-from tools.local import LocalConfig, LocalSwarm, start_peers
+from tools.local import LocalConfig, start_peers
+from tools.processes import LocalSwarm
 from trainer.data import load_corpus, microbatches
 
 HOLDOUT = 0.1  # the corpus' last 10% is held out

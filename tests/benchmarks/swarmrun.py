@@ -1,5 +1,5 @@
 """Live-swarm helpers for the benchmarks: servers on known ports, readiness through the Info RPC, trainers measured over a
-window of their own progress snapshots. Every process goes through `tools.local.LocalSwarm`, whose exit stops every
+window of their own progress snapshots. Every process goes through `tools.processes.LocalSwarm`, whose exit stops every
 process group it started; use it as a context manager."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import grpc
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, sync_channel
 from tests.benchmarks import common
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 from trainer.config import TrainerConfig
 
 

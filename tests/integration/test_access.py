@@ -26,7 +26,7 @@ from swarm.protocol.rpc import StageStub, aio_channel, stage_handler, start_stag
 from tests.conftest import wait_for
 from tests.peers import stock_dht
 from tests.unit.test_access import INFO
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,8 @@ from server.config import (
 )
 from server.main import build_parser as server_parser
 from tests.unit.test_cli import parse
-from tools.local import LocalConfig, LocalSwarm
+from tools.local import LocalConfig
+from tools.processes import LocalSwarm
 from trainer.config import TrainerConfig
 from trainer.main import build_parser as trainer_parser
 

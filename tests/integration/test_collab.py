@@ -22,7 +22,7 @@ from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.rpc import StageStub, sync_channel
 from swarm.protocol.tensors import WireStats
 from tests.conftest import free_port, wait_for
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 from trainer.client import StageClient
 from trainer.data import load_corpus, microbatches
 

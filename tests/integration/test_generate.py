@@ -26,7 +26,8 @@ from tools.generate import (
     sample,
     swarm_settings,
 )
-from tools.local import LocalConfig, LocalSwarm, sample_text
+from tools.local import LocalConfig, sample_text
+from tools.processes import LocalSwarm
 from trainer.client import StageClient
 
 

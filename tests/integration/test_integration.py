@@ -16,7 +16,7 @@ from urllib.request import urlopen
 import pytest
 
 from tests.conftest import free_port, processes_with_marker, scrape, wait_for
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from swarm.protocol.p2p import MESSAGE, P2PStub, handler_name, serve
 from swarm.protocol.rpc import Channels
 from tests import netns
 from tests.conftest import wait_for
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

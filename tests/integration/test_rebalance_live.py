@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_for
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 
 pytestmark = [pytest.mark.integration]
 

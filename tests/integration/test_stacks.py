@@ -4,7 +4,7 @@
 import pytest
 
 from tests.conftest import wait_for
-from tools.local import LocalSwarm
+from tools.processes import LocalSwarm
 
 
 def test_a_failure_inside_a_local_swarm_prints_each_log_and_has_each_peer_write_its_stacks(tmp_path, marker, capsys):

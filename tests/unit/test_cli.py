@@ -16,7 +16,8 @@ from server.config import (
 from server.main import build_parser as server_parser
 from swarm.cli import config_from_args, to_argv
 from swarm.rebalance import RebalanceConfig
-from tools.local import local_server, main
+from tools.local import main
+from tools.processes import local_server
 from trainer.config import TrainerConfig
 from trainer.main import build_parser as trainer_parser
 
