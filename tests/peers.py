@@ -73,14 +73,20 @@ async def start_server(
     tls: TlsConfig | None = None,
     stage: int = 0,
     model: ModelConfig = MODEL,
+    epochs: dict | None = None,
     **averaging,
 ) -> StageServer:
-    """A peer of `stage` of `model`; `network`, `averaging`: NetworkConfig and AveragingConfig fields other than the
-    tests' defaults."""
+    """A peer of `stage` of `model`; `network`, `epochs`, `averaging`: NetworkConfig, EpochConfig and AveragingConfig
+    fields other than the tests' defaults."""
     loop = asyncio.get_running_loop()
     sdht = await loop.run_in_executor(None, SwarmDHT.start, SWARM, initial_peers)
     cfg = server_config(initial_peers, **averaging)
-    cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, **(network or {})), tls=tls or TlsConfig())
+    cfg = dataclasses.replace(
+        cfg,
+        network=dataclasses.replace(cfg.network, **(network or {})),
+        epochs=dataclasses.replace(cfg.epochs, **(epochs or {})),
+        tls=tls or TlsConfig(),
+    )
     server = StageServer(cfg, model, sdht, torch.device("cpu"))
     await server.enter(stage)
     return server

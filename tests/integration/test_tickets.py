@@ -14,6 +14,7 @@ import torch
 from dht.identity import Identity
 from server.collab import rules
 from server.collab.epoch import Phase
+from server.collab.stepper import DelayedStep
 from server.replies import ReplyCache
 from server.service import DRAIN_S
 from swarm.compression import CompressionPolicy, get_codec
@@ -276,13 +277,13 @@ async def test_a_peer_that_finished_the_epoch_stays_in_view_while_our_round_of_i
             30,
             "both peers to leave the epoch they joined in",
         )
-        average, seen = a.collab._average, []
+        average, seen = a.collab.stepper.average, []
 
         def average_and_look(*args):
             seen.append((a.worker.samples_accumulated, rules.shown_limit(a.collab.view())))
             return average(*args)
 
-        a.collab._average = average_and_look
+        a.collab.stepper.average = average_and_look  # type: ignore[method-assign]
         try:  # the global batch (8 samples): 4 on each peer, each proving its own to the other
             await raw_call(a.record().address, "Backward", backward("mb-1"))
             await raw_call(b.record().address, "Backward", backward("mb-2"))
@@ -293,7 +294,7 @@ async def test_a_peer_that_finished_the_epoch_stays_in_view_while_our_round_of_i
                 "both peers to end the epoch on their counts",
             )
         finally:
-            a.collab._average = average
+            a.collab.stepper.average = average  # type: ignore[method-assign]
         assert seen == [(0, epoch + 1)], seen
 
 
@@ -333,9 +334,9 @@ async def test_a_delayed_peer_alone_behind_stage_zero_skips_to_stage_zeros_epoch
     between, one of them with that gradient (a step of part of a global batch)."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
-        servers.append(last := await start_server(initial_peers, stage=1))
-        collab, worker = last.collab, last.service.worker
-        collab.cfg = dataclasses.replace(collab.cfg, delay_optimizer_step=True)
+        servers.append(last := await start_server(initial_peers, stage=1, epochs={"delay_optimizer_step": True}))
+        worker = last.service.worker
+        assert isinstance(last.collab.stepper, DelayedStep)
         epoch, version = worker.epoch, worker.param_version
         ahead = signed_by(first.sdht.identity, "mb-d", epoch + 3, epoch + 3)
         await raw_call(last.record().address, "Backward", last_stage_backward(meta_of(ahead, "mb-d")))
@@ -386,16 +387,15 @@ async def test_a_delayed_stage_whose_round_is_slow_holds_calls_two_epochs_ahead_
     The round is held here by our own hook around the averaging; admissions are signed with the stage-0 peer's key."""
     async with stage_servers() as (initial_peers, servers):
         servers.append(first := await start_server(initial_peers, stage=0))
-        servers.append(last := await start_server(initial_peers, stage=1))
+        servers.append(last := await start_server(initial_peers, stage=1, epochs={"delay_optimizer_step": True}))
         collab, worker = last.collab, last.service.worker
-        collab.cfg = dataclasses.replace(collab.cfg, delay_optimizer_step=True)
-        average, release = collab._average, threading.Event()
+        average, release = collab.stepper.average, threading.Event()
 
         def slow_average(*args):
             release.wait(60)
             return average(*args)
 
-        collab._average = slow_average
+        collab.stepper.average = slow_average  # type: ignore[method-assign]
         address, epoch = last.record().address, worker.epoch
 
         def backward(microbatch_id: str, global_batch: int) -> list[bytes]:
@@ -426,7 +426,7 @@ async def test_a_delayed_stage_whose_round_is_slow_holds_calls_two_epochs_ahead_
             assert worker.samples_accumulated == B and worker.samples_next == 0
         finally:
             release.set()
-            collab._average = average
+            collab.stepper.average = average  # type: ignore[method-assign]
 
 
 async def test_a_backward_whose_caller_gave_up_counts_once_and_its_retries_get_its_reply():
