@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -97,14 +97,14 @@ class Accumulation:
         towards the current and next ones (rules.py `frontier` weighs stage 0's signers by them)."""
         return [a for taken in list(self._recent) for a in taken] + [*self.served, *self.served_late, *self.served_next]
 
-    def served_for(self, epoch: int, current: int) -> list:
-        """Any thread: the admissions behind our weight in `epoch`'s round, our epoch being `current`: those taken
+    def served_for(self, epoch: int, current: Callable[[], int]) -> list:
+        """Any thread: the admissions behind our weight in `epoch`'s round, `current()` being our epoch: those taken
         with its gradients (a synchronous peer's round runs before its epoch moves on), or those accumulating towards
-        it."""
+        it. Our epoch is read after what was taken: a step in between shows as the epoch moved on."""
         taken, taken_epoch = self._taken, self._taken_epoch
         if taken_epoch == epoch:
             return list(taken)
-        return [*self.served, *self.served_late] if current == epoch else []
+        return [*self.served, *self.served_late] if current() == epoch else []
 
     def fold_next(self) -> None:
         """The next epoch's gradients join the current one's (epochs without a step in between)."""

@@ -244,7 +244,7 @@ class StageWorker:
 
     def served_for(self, epoch: int) -> list:
         """Any thread: the admissions behind our weight in `epoch`'s round (accumulation.py `served_for`)."""
-        return self.accumulated.served_for(epoch, self.epoch)
+        return self.accumulated.served_for(epoch, lambda: self.epoch)
 
     def skip_to(self, epoch: int) -> None:
         """Compute thread only. Move on to `epoch` without a step (the epochs in between had no samples here); the
