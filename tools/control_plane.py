@@ -59,6 +59,9 @@ class ControlConfig:
     frozen: float = field(default=0.0, metadata={"help": "share of the peers that freeze at fault_at_s"})
     lying: float = field(default=0.0, metadata={"help": "share of the peers that lie from fault_at_s on"})
     fault_at_s: float = field(default=20.0, metadata={"help": "when the faulty peers turn"})
+    hub_from: int = field(
+        default=0, metadata={"help": "other peers from which counts go through hubs (0: the server's HUB_FROM)"}
+    )
     seed: int = field(default=0, metadata={"help": "random seed"})
 
 
@@ -85,6 +88,7 @@ class Simulation:
         rng = random.Random(cfg.seed * 1000 + n)
         self.rng = rng
         self.quota = cfg.samples_per_peer * n
+        self.hub_from = cfg.hub_from or hubs.HUB_FROM
         names = [f"peer{i:03d}" for i in range(n)]
         self.peers = {p: Peer(p, cfg.speed * rng.lognormvariate(0.0, cfg.speed_spread)) for p in names}
         for p in self.peers.values():
@@ -140,7 +144,7 @@ class Simulation:
         if self.faulty(p.name, self.frozen_ids):
             return
         msg = self.message(p, end_epoch)
-        if direct or len(p.listed) < hubs.HUB_FROM:
+        if direct or len(p.listed) < self.hub_from:
             for dst in sorted(p.listed):
                 self.call(p, dst, [msg])
             return
