@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dht.identity import MAX_PUBLIC_KEY_BYTES
+from dht.identity import MAX_PUBLIC_KEY_BYTES, fingerprint, verify
 from server.collab.hubs import MAX_PASSED_ON
-from server.worker import valid_lineage
+from server.state import valid_lineage
 from swarm.config import ModelConfig
 from swarm.protocol import wire_pb2 as pb
 from swarm.protocol.frames import MAX_META_STRING, MAX_SIGNATURE_BYTES, Call, Limits
@@ -126,3 +126,16 @@ def well_formed_progress_call(msg: pb.StageProgress, stage: int) -> bool:
         and len(msg.passed_on) <= MAX_PASSED_ON
         and all(well_formed_progress(m, stage) and not m.passed_on for m in msg.passed_on)
     )
+
+
+def forged_progress(msg: pb.StageProgress) -> str | None:
+    """Why `msg` was not sent by the peer it names, or None: it is signed with the key its peer id is the fingerprint
+    of."""
+    if fingerprint(msg.public_key) != msg.peer_id:
+        return "progress: peer_id is not the fingerprint of public_key"
+    unsigned = pb.StageProgress()
+    unsigned.CopyFrom(msg)
+    unsigned.ClearField("signature")
+    if not verify(msg.public_key, unsigned.SerializeToString(), msg.signature):
+        return "progress: bad signature"
+    return None

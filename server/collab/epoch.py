@@ -46,6 +46,7 @@ from server.collab.stepper import DelayedStep, Stepper, SynchronousStep
 from server.collab.tickets import Ticket, Tickets, by_signer, ticket_key
 from server.collab.tied import TiedAveraging, build_tied
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
+from server.schema import forged_progress
 from server.worker import StageWorker
 from swarm.protocol import wire_pb2 as pb
 
@@ -312,7 +313,7 @@ class StageCollaboration:
         return ack
 
     async def _take(self, msg: pb.StageProgress) -> pb.ProgressAck:
-        reason = self.peers.forged(msg)
+        reason = forged_progress(msg)
         if reason is None and msg.peer_id not in self.peers.held and self.peers.unlisted(msg):
             await self._lookup()  # not for a held peer: listed, and a stranger's messages must not drive our reads
         reason = reason or self.peers.unlisted(msg)

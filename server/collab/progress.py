@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from dht.identity import fingerprint, verify
 from dht.node import SwarmDHT
 from server.collab import hubs, rules
 from server.collab.hubs import Hub, Seen, hubs_for, is_hub, seal
@@ -85,19 +84,6 @@ class StagePeers:
         # peer (False) may take it to (None: any)
         self.believed: Callable[[], dict[str, int]] | None = None
         self.shown_limit: Callable[[bool], int | None] = lambda trusted: None
-
-    @staticmethod
-    def forged(msg: pb.StageProgress) -> str | None:
-        """Why `msg` was not sent by the peer it names, or None: it is signed with the key its peer id is the
-        fingerprint of."""
-        if fingerprint(msg.public_key) != msg.peer_id:
-            return "progress: peer_id is not the fingerprint of public_key"
-        unsigned = pb.StageProgress()
-        unsigned.CopyFrom(msg)
-        unsigned.ClearField("signature")
-        if not verify(msg.public_key, unsigned.SerializeToString(), msg.signature):
-            return "progress: bad signature"
-        return None
 
     def unlisted(self, msg: pb.StageProgress) -> str | None:
         """Why the sender of an authentic `msg` does not count (yet), or None: the DHT lists it on this stage. A peer
@@ -392,9 +378,8 @@ class StagePeers:
     def round_over(self, epoch: int, delayed: bool) -> bool:
         """Whether the stage round of `epoch` is over for every live peer. With synchronous steps their reports of a
         later epoch say so. With delayed steps they report the next epoch while the round runs: their `averaged`
-        epoch says so, or a report two epochs on (a peer ends the next epoch only once this round is over for it). A
-        peer that stepped alone while we were frozen reports no round of those epochs; it was at epoch 272 while we
-        retried our round of 243 with it for 30 s (the delayed soak)."""
+        epoch says so, or a report two epochs on (a peer ends the next epoch only once this round is over for it, and
+        one that stepped alone while we were frozen reports no round of those epochs at all)."""
         if not delayed:
             return self.all_ahead_of(epoch)
         view = self._shown()
@@ -413,11 +398,9 @@ class StagePeers:
     def group_size(self, epoch: int) -> int:
         """Us and every listed peer that took a Progress of ours or sent us one (a record is a claim: anyone can
         announce one at an address nobody serves, and a round waiting for such a peer fails), or that reported `epoch`,
-        except those that reported an epoch before
-        `epoch - 1` or that say they are copying a state: such a peer copies a state instead of joining the round. In
-        it, it held the round until --averaging-timeout: a restarted peer that had loaded an older state waited to
-        copy ours, and with delayed steps we share none until our round ends (stalls of 10 s after each restart in the
-        delayed soak)."""
+        except those that reported an epoch before `epoch - 1` or that say they are copying a state: such a peer
+        copies a state instead of joining the round, and counted in it, it would hold the round until
+        --averaging-timeout (with delayed steps we share no state until our round ends)."""
         return 1 + len(self.group(epoch))
 
     def group(self, epoch: int) -> set[str]:

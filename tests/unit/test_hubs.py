@@ -9,7 +9,7 @@ import pytest
 from dht.identity import Identity, fingerprint
 from server.collab import hubs
 from server.collab.hubs import Hub, hubs_for
-from server.collab.progress import StagePeers
+from server.schema import forged_progress
 from swarm.protocol import wire_pb2 as pb
 
 
@@ -142,7 +142,7 @@ def test_an_envelope_carries_the_hubs_latest_count_signed_anew_without_what_only
     latest.signature = me.sign(latest.SerializeToString())
     passed = [_msg("a", 3, 8), _msg("b", 3, 16)]
     envelope = hubs.seal(latest, passed, me.sign)
-    assert StagePeers.forged(envelope) is None and envelope.signature != latest.signature
+    assert forged_progress(envelope) is None and envelope.signature != latest.signature
     assert (envelope.epoch, envelope.samples, list(envelope.passed_on)) == (3, 40, passed)
     assert not (envelope.end_epoch or envelope.claims or envelope.via_hub or envelope.served)
     assert not envelope.HasField("taken_epoch")
