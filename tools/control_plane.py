@@ -80,6 +80,7 @@ class Peer:
     last_direct: float = -1e9
     outbox: dict[str, list[tuple]] = field(default_factory=lambda: defaultdict(list))  # as a hub: dst -> messages
     flushing: set[str] = field(default_factory=set)  # destinations with a hub flush scheduled
+    first_ends: hubs.FirstEnds = field(default_factory=hubs.FirstEnds)  # what makes a hub pass on at once
 
 
 class Simulation:
@@ -158,6 +159,7 @@ class Simulation:
         """As a hub: queue `msg` for every peer we list; flush each every `period`, at once for an epoch's end."""
         if self.faulty(hub.name, self.lying_ids | self.frozen_ids):
             return  # a lying hub withholds
+        urgent = hub.first_ends(msg[0], msg[1], urgent)
         wait = 0.0 if urgent else hubs.period(len(hub.listed) + 1)
         for dst in hub.listed:
             if dst == msg[0]:

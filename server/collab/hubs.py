@@ -16,8 +16,9 @@ every peer directly bounds the stall: the heartbeats of a round, and each peer's
 N/8 periods in a stage of N > 8 peers: epoch.py `_refresh`).
 
 Cost per peer: a backward sends HUBS messages; a peer takes at most HUBS calls per `period`; a hub makes at most
-HUB_CALLS_PER_S calls a second however many peers the stage has (`period` grows with the peers), and is one only in
-the epochs the hash gives it.
+HUB_CALLS_PER_S calls a second up to HUB_CALLS_PER_S x PERIOD_S[1] peers (`period` grows with the peers up to
+PERIOD_S[1]), (N - 1) / PERIOD_S[1] past that, plus one pass-on at once per sender and epoch that asks to end it
+(`FirstEnds`), and is one only in the epochs the hash gives it.
 
 Owned by the event loop.
 """
@@ -99,6 +100,27 @@ class Seen:
 Send = Callable[[str, str, pb.StageProgress], Awaitable[pb.ProgressAck | None]]
 
 
+class FirstEnds:
+    """Which messages make a hub pass its log on at once: a sender's first `end_epoch` message of each epoch. An
+    honest peer asks its stage to end an epoch once; a peer that marks every message as ending its epoch (a liar:
+    its word ends nothing, rules.py `trusts`) gets one early pass-on per epoch, not one to every peer per message."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+        self._newest = -1
+
+    def __call__(self, sender: str, epoch: int, end_epoch: bool) -> bool:
+        if not end_epoch or (sender, epoch) in self._seen:
+            return False
+        if epoch > self._newest:
+            self._newest = epoch
+            self._seen = {(p, e) for p, e in self._seen if e > epoch - KEPT_EPOCHS}
+        if len(self._seen) >= MAX_KEPT:  # more senders than a stage has: the rest wait for the period
+            return False
+        self._seen.add((sender, epoch))
+        return True
+
+
 class Hub:
     """The messages this peer passes on as a hub, and the loop that passes them on. `send(peer_id, address, msg)`
     calls one peer (None: it did not take it); `peers()` the peers to pass on to (peer id -> address); `envelope()`
@@ -117,18 +139,20 @@ class Hub:
         self._newest = -1  # the latest epoch of a logged message
         self._wake = asyncio.Event()
         self._urgent = False
+        self._first_ends = FirstEnds()
         self._task: asyncio.Task | None = None
         self.calls = 0  # calls made passing messages on
         self.bytes_sent = 0
 
     def add(self, msg: pb.StageProgress, urgent: bool = False) -> None:
-        """Pass `msg` on (checked by us, or our own); `urgent`: at once (it ends an epoch)."""
+        """Pass `msg` on (checked by us, or our own); `urgent`: at once (it ends an epoch), if it is its sender's first
+        such message of its epoch (`FirstEnds`)."""
         self._log.append(msg)
         self._newest = max(self._newest, int(msg.epoch))
         keep = [m for m in self._log if int(m.epoch) > self._newest - KEPT_EPOCHS][-MAX_KEPT:]
         self._first += len(self._log) - len(keep)
         self._log = keep
-        self._urgent = self._urgent or urgent
+        self._urgent = self._urgent or (urgent and self._first_ends(msg.peer_id, int(msg.epoch), True))
         self._wake.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hub")

@@ -46,3 +46,10 @@ def test_frozen_peers_and_hubs_are_routed_around_within_the_peer_timeout():
     sim, report = run(12, frozen=0.2)
     assert sim.frozen_ids and report["epochs"] == CFG.epochs, report
     assert report["longest_stall_s"] < 2 * CFG.peer_timeout + hubs.PERIOD_S[1], report
+
+
+def test_liars_that_ask_to_end_every_epoch_with_every_message_do_not_multiply_the_stages_calls():
+    honest, lying = run(32)[1], run(32, lying=0.1)[1]
+    assert lying["calls_per_stage_sample"] < 1.3 * honest["calls_per_stage_sample"], (honest, lying)
+    # each liar still gets one pass-on at once per epoch from each hub (hubs.py `FirstEnds`): 3 liars of 32, 1.6x
+    assert lying["busiest_peer_calls_per_s"] < 2 * honest["busiest_peer_calls_per_s"], (honest, lying)
