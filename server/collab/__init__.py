@@ -3,8 +3,9 @@ protocol (epoch) with its rules (rules) and its step (stepper), stage 0's admiss
 (averaging), state transfers (recovery), and the private hivemind APIs they need (compat)."""
 
 from server.collab.base import Collaboration, LocalSteps
-from server.collab.epoch import Behind, Phase, ProgressRefused, StageCollaboration
+from server.collab.epoch import Behind, Phase, StageCollaboration
 from server.collab.gate import AdmissionRefused
+from server.collab.intake import ProgressRefused
 
 __all__ = [
     "AdmissionRefused",

@@ -37,16 +37,16 @@ from server.collab.averaging import averager_options, build_averaging
 from server.collab.compat import check_version
 from server.collab.compat.codec import warm_up_8bit
 from server.collab.gate import ADMISSION_REPLY_MARGIN_S, Gate
+from server.collab.intake import Intake
 from server.collab.lowrank import LowRankState
 from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
 from server.collab.rules import Act, EpochView
-from server.collab.served import KEEP_EPOCHS, ForgedAdmission, Served
+from server.collab.served import KEEP_EPOCHS, Served
 from server.collab.stepper import DelayedStep, Stepper, SynchronousStep
 from server.collab.tickets import Ticket, Tickets, by_signer, ticket_key
 from server.collab.tied import TiedAveraging, build_tied
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
-from server.schema import forged_progress
 from server.worker import StageWorker
 from swarm.protocol import wire_pb2 as pb
 
@@ -58,11 +58,6 @@ LOOKUP_INTERVAL_S = 0.25  # the most often unlisted senders of Progress make us 
 
 def _idle(task: asyncio.Future | None) -> bool:
     return task is None or task.done()
-
-
-class ProgressRefused(Exception):
-    """A Progress message that must not count: unsigned, from a peer the DHT does not list on this stage, or
-    implausible. The sender gets PERMISSION_DENIED."""
 
 
 class Behind(Exception):
@@ -146,9 +141,23 @@ class StageCollaboration:
             self._most_samples(),
             stopped=self._stopping,
             behind=lambda: self.phase is Phase.RECOVERING or rules.behind_for_admission(self.view()),
-            kick=self._kick.set,
+            kick=lambda: self._kick.set(),
             tell=self._tell,
             spawn=self._spawn,
+        )
+        self.intake = Intake(  # the stage peers' Progress (intake.py)
+            worker,
+            self.peers,
+            self.served,
+            self.gate,
+            stage,
+            sdht.peer_id,
+            self._most_samples(),
+            lookup=lambda: self._lookup(),
+            greet=self._greet,
+            ended=self._on_end_message,
+            kick=lambda: self._kick.set(),
+            phase=lambda: self.phase.value,
         )
         self._stepped = asyncio.Event()  # set while no epoch is ending (`_step_before`)
         self._stepped.set()
@@ -294,67 +303,18 @@ class StageCollaboration:
         self._spawn(self._maybe_end_epoch())
 
     async def on_progress(self, msg: pb.StageProgress) -> pb.ProgressAck:
-        """A stage peer's count (fields validated by the service); the poller acts on it. Raises ProgressRefused for a
-        message not signed by the peer it names, from a peer the DHT does not list on this stage (an authentic one
-        from a peer we have not listed yet waits for a DHT read, shared by concurrent messages, at most four a
-        second), or with a count no peer can have reached. The messages a hub passes on in it (`passed_on`) are
-        taken one by one as if their senders had sent them, those we took already aside; one refused is left out.
-        One sent to us as a hub of its epoch we pass on (hubs.py)."""
-        ack = await self._take(msg)
-        if msg.via_hub and self.peers.is_hub(int(msg.epoch)):
-            self.peers.hub.add(msg, urgent=msg.end_epoch)
-        for passed in msg.passed_on:
-            if passed.peer_id == self.sdht.peer_id or self.peers.seen(passed):
-                continue
-            try:
-                await self._take(passed)
-            except ProgressRefused as e:
-                logger.debug("progress passed on by %s refused: %s", msg.peer_id[-6:], e)
-        return ack
+        """A stage peer's count (intake.py); the poller acts on it. Raises ProgressRefused for one that must not
+        count."""
+        return await self.intake.on_progress(msg)
 
-    async def _take(self, msg: pb.StageProgress) -> pb.ProgressAck:
-        reason = forged_progress(msg)
-        if reason is None and msg.peer_id not in self.peers.held and self.peers.unlisted(msg):
-            await self._lookup()  # not for a held peer: listed, and a stranger's messages must not drive our reads
-        reason = reason or self.peers.unlisted(msg)
-        if reason is not None:
-            raise ProgressRefused(reason)
-        first = not self.peers.heard_from(msg.peer_id)
-        counts = (msg.samples, msg.admitted, msg.admitted_next, len(msg.served), len(msg.taken))
-        if max(counts) > (most := self._most_samples()):
-            raise ProgressRefused(f"progress: a count above {most} samples, more than one epoch can hold")
-        try:
-            await self.served.prove(msg, self.epoch)
-        except ForgedAdmission as e:
-            raise ProgressRefused(str(e)) from None
-        if self.stage == 0:  # ours that a peer computed came back (proved: their signature is ours)
-            now = time.monotonic()
-            for a in (*msg.served, *msg.taken):
-                if a.admitted_by == self.sdht.peer_id:
-                    self.gate.leases.returned(ticket_key(a), now)
-        self.peers.record(msg)
-        if first:  # a peer that just started: it waits for our count before it admits (gate.py)
-            self._spawn(self._broadcast(end_epoch=False))
-        logger.debug(
-            "progress from %s: epoch %d, %d samples%s (we are at %d, %s)",
-            msg.peer_id[-6:],
-            msg.epoch,
-            msg.samples,
-            ", end of epoch" if msg.end_epoch else "",
-            self.epoch,
-            self.phase.value,
-        )
-        if msg.end_epoch and rules.on_end_message(self.view(), int(msg.epoch), msg.peer_id):
-            self._spawn(self._end_epoch_once(int(msg.epoch)))
-        self._kick.set()
-        self.gate.wake()
-        held = self.served.held(msg.peer_id, int(msg.epoch))
-        if not msg.claims:
-            return pb.ProgressAck(epoch=self.epoch, served_held=held)
-        admitted, admitted_next = self.gate.admission.counts(
-            int(msg.epoch)
-        )  # from here on we count the claimant's share
-        return pb.ProgressAck(epoch=self.epoch, admitted=admitted, admitted_next=admitted_next, served_held=held)
+    def _greet(self) -> None:
+        """Our count to a peer that just started: it waits for it before it admits (gate.py)."""
+        self._spawn(self._broadcast(end_epoch=False))
+
+    def _on_end_message(self, epoch: int, sender: str) -> None:
+        """`sender` asks the stage to end `epoch`: we do now if the rules say so (rules.py `on_end_message`)."""
+        if rules.on_end_message(self.view(), epoch, sender):
+            self._spawn(self._end_epoch_once(epoch))
 
     def _most_samples(self) -> int:
         """The largest count a peer can report for one epoch: the global batch, the lookahead, and one microbatch."""
