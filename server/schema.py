@@ -95,7 +95,7 @@ def valid_admission(a: pb.Admission) -> bool:
 
 def well_formed_progress(msg: pb.StageProgress, stage: int) -> bool:
     """Whether a Progress (or one a hub passes on in it) is of our protocol and stage with every field in its bounds;
-    its signature and counts are checked by the receiving collaboration (epoch.py `on_progress`)."""
+    its signature and counts are checked by the receiving collaboration (intake.py `on_progress`)."""
     return (
         msg.protocol_version == PROTOCOL_VERSION
         and msg.stage == stage

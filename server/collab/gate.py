@@ -162,7 +162,7 @@ class Gate:
         before us, may hold more than its share of the open batch. Peers that start together read the DHT before the
         others are listed, so read it again now (a trainer calls us only once it has found us, and by then it
         usually finds them too), tell them our count, and wait (up to FIRST_ADMISSION_WAIT_S) until each has told us
-        theirs: a peer answers a stage peer's first message with its own (epoch.py `on_progress`). Returns False if
+        theirs: a peer answers a stage peer's first message with its own (intake.py `on_progress`). Returns False if
         that is still under way after `timeout` seconds (a DHT read, or a frozen peer's Progress, holds it): answer
         the caller."""
         if self._first_admission is None:

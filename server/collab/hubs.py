@@ -8,7 +8,7 @@ passes the log on to every peer it lists, at most one call to each peer every `p
 message that ends an epoch (`end_epoch`).
 
 Nothing a hub passes on needs the hub's word: each message is signed by its own sender and checked by its receiver
-exactly as if that sender had sent it (epoch.py `on_progress`). A hub can only withhold or repeat: repeats change
+exactly as if that sender had sent it (intake.py `on_progress`). A hub can only withhold or repeat: repeats change
 nothing (a peer's progress only moves forward, each admission counts once), and a message withheld by one hub comes
 through the other. A hub that does not answer is dropped like any unreachable peer and the next peer in hash order
 takes its place (`hubs_for` over the peers still listed). If every hub of an epoch withholds, what still reaches

@@ -334,10 +334,11 @@ class StagePeers:
         """Stage 0: ask every peer to count us among the admitting peers of `epoch` and the next one, and learn what
         each had admitted towards them when it did. Returns whether every peer we count answered (one the DHT listed
         meanwhile has not been asked yet): one that does not count us may admit the whole batch. A peer that refuses
-        the claim although it read the DHT for it (`on_progress`), or answers a count below 0 or above `most` (what
-        one epoch can hold, the bound its Progress messages have too), is left out of the group like an unreachable
-        one: else a single hostile peer would keep every other peer from admitting. `served`: the admissions behind
-        `samples` (a claim's count ends an epoch as a Progress's does, and must weigh as much in its round)."""
+        the claim although it read the DHT for it (intake.py `on_progress`), or answers a count below 0 or above
+        `most` (what one epoch can hold, the bound its Progress messages have too), is left out of the group like an
+        unreachable one: else a single hostile peer would keep every other peer from admitting. `served`: the
+        admissions behind `samples` (a claim's count ends an epoch as a Progress's does, and must weigh as much in
+        its round)."""
         asked = dict(self.peers)
         acks = await self.broadcast(epoch, samples, False, admitted, claims=True, served=served)
         for peer_id, address in asked.items():
