@@ -101,16 +101,18 @@ Send = Callable[[str, str, pb.StageProgress], Awaitable[pb.ProgressAck | None]]
 
 
 class FirstEnds:
-    """Which messages make a hub pass its log on at once: a sender's first `end_epoch` message of each epoch. An
-    honest peer asks its stage to end an epoch once; a peer that marks every message as ending its epoch (a liar:
-    its word ends nothing, rules.py `trusts`) gets one early pass-on per epoch, not one to every peer per message."""
+    """Which messages make a hub pass its log on at once: a sender's first `end_epoch` message of the hub's own
+    epoch. An honest peer asks its stage to end an epoch once, the epoch the stage is in; a peer that marks every
+    message as ending its epoch (a liar: its word ends nothing, rules.py `trusts`) gets one early pass-on per epoch,
+    not one to every peer per message, and naming other epochs gets it none."""
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, int]] = set()
         self._newest = -1
 
-    def __call__(self, sender: str, epoch: int, end_epoch: bool) -> bool:
-        if not end_epoch or (sender, epoch) in self._seen:
+    def __call__(self, sender: str, epoch: int, end_epoch: bool, current: int) -> bool:
+        """`current`: the hub's epoch."""
+        if not end_epoch or epoch != current or (sender, epoch) in self._seen:
             return False
         if epoch > self._newest:
             self._newest = epoch
@@ -144,15 +146,17 @@ class Hub:
         self.calls = 0  # calls made passing messages on
         self.bytes_sent = 0
 
-    def add(self, msg: pb.StageProgress, urgent: bool = False) -> None:
+    def add(self, msg: pb.StageProgress, urgent: bool = False, current: int | None = None) -> None:
         """Pass `msg` on (checked by us, or our own); `urgent`: at once (it ends an epoch), if it is its sender's first
-        such message of its epoch (`FirstEnds`)."""
+        such message of `current`, our epoch (None: the message's own, for ours) (`FirstEnds`)."""
         self._log.append(msg)
         self._newest = max(self._newest, int(msg.epoch))
         keep = [m for m in self._log if int(m.epoch) > self._newest - KEPT_EPOCHS][-MAX_KEPT:]
         self._first += len(self._log) - len(keep)
         self._log = keep
-        self._urgent = self._urgent or (urgent and self._first_ends(msg.peer_id, int(msg.epoch), True))
+        epoch = int(msg.epoch)
+        first = urgent and self._first_ends(msg.peer_id, epoch, True, epoch if current is None else current)
+        self._urgent = self._urgent or first
         self._wake.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="hub")

@@ -64,7 +64,7 @@ class Intake:
         (hubs.py)."""
         ack = await self._take(msg)
         if msg.via_hub and self.peers.is_hub(int(msg.epoch)):
-            self.peers.hub.add(msg, urgent=msg.end_epoch)
+            self.peers.hub.add(msg, urgent=msg.end_epoch, current=self.worker.epoch)
         for passed in msg.passed_on:
             if passed.peer_id == self.peer_id or self.peers.seen(passed):
                 continue

@@ -164,8 +164,9 @@ def test_a_peer_skips_a_message_it_took_until_it_has_taken_seen_kept_newer_ones(
 
 def test_a_sender_makes_a_hub_pass_on_at_once_once_an_epoch_however_often_it_asks_to_end_it():
     first = hubs.FirstEnds()
-    assert not first("a", 5, False), "a count that ends nothing waits for the period"
-    assert first("a", 5, True) and not any(first("a", 5, True) for _ in range(10))
-    assert first("b", 5, True), "another sender's first end of the epoch"
-    assert first("a", 6, True) and not first("a", 6, True), "the next epoch: once more"
-    assert not first("a", 5, True), "an old epoch's ends stay spent"
+    assert not first("a", 5, False, 5), "a count that ends nothing waits for the period"
+    assert first("a", 5, True, 5) and not any(first("a", 5, True, 5) for _ in range(10))
+    assert first("b", 5, True, 5), "another sender's first end of the epoch"
+    assert first("a", 6, True, 6) and not first("a", 6, True, 6), "the next epoch: once more"
+    assert not first("a", 5, True, 6), "an old epoch's ends stay spent"
+    assert not any(first("c", e, True, 6) for e in (7, 8, 10**12, -1)), "naming other epochs than ours gets nothing"
