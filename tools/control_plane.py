@@ -159,7 +159,7 @@ class Simulation:
         """As a hub: queue `msg` for every peer we list; flush each every `period`, at once for an epoch's end."""
         if self.faulty(hub.name, self.lying_ids | self.frozen_ids):
             return  # a lying hub withholds
-        urgent = hub.first_ends(msg[0], msg[1], urgent)
+        urgent = hub.first_ends(msg[0], msg[1], urgent, hub.epoch)
         wait = 0.0 if urgent else hubs.period(len(hub.listed) + 1)
         for dst in hub.listed:
             if dst == msg[0]:
@@ -330,9 +330,12 @@ class Simulation:
         }
         honest = self.honest()
         horizon = 20.0 * self.cfg.epochs * self.cfg.samples_per_peer / self.cfg.speed  # a stalled stage ends too
-        while self.events and min(p.epoch for p in honest) < self.cfg.epochs and self.now < horizon:
+        running = True  # until every honest peer finished the epochs asked for (it only changes as a peer steps)
+        while self.events and running and self.now < horizon:
             self.now, _, kind, args = heapq.heappop(self.events)
             handlers[kind](*args)
+            if kind == "stepped":
+                running = min(p.epoch for p in honest) < self.cfg.epochs
         return self.report()
 
     def report(self) -> dict:
