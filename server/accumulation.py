@@ -67,12 +67,15 @@ class Accumulation:
                 p.grad = g
 
     @torch.no_grad()
-    def take(self, epoch: int) -> tuple[list[torch.Tensor], int]:
-        """-> (mean gradient per parameter, samples behind it) of `epoch`, ours; the next epoch's become the current."""
+    def take(self, epoch: int, mean: bool = True) -> tuple[list[torch.Tensor], int]:
+        """-> (mean gradient per parameter, samples behind it) of `epoch`, ours; the next epoch's become the current.
+        `mean=False` (local steps: inner steps took the gradients): the counts and admissions alone, no gradients."""
         n = self.samples + self.samples_late
         self.step_samples += n
         self.largest_step_samples = max(self.largest_step_samples, n)
-        grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
+        grads = []
+        if mean:
+            grads = [p.grad.div_(n) if (p.grad is not None and n > 0) else torch.zeros_like(p) for p in self.params]
         for p, early in zip(self.params, self._next_grads, strict=True):
             p.grad = early
         self._next_grads = [None] * len(self.params)

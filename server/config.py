@@ -214,6 +214,17 @@ class EpochConfig:
         default=False,
         metadata={"help": "average and step in the background while serving with the previous parameters (DPU)"},
     )
+    local_batch: int = field(
+        default=0,
+        metadata={
+            "help": "local-step training (DiLoCo): every N of its own samples a peer steps its own optimizer, and the "
+            "stage's peers meet once per global batch (--samples-per-step: the outer interval) to average their "
+            "pseudo-gradients (the outer parameters minus their own) and take one outer Nesterov step; 0: "
+            "synchronous training (one averaged step per global batch)"
+        },
+    )
+    outer_lr: float = field(default=0.7, metadata={"help": "--local-batch: the outer step's learning rate"})
+    outer_momentum: float = field(default=0.9, metadata={"help": "--local-batch: the outer step's Nesterov momentum"})
     progress_period: float = field(default=0.5, metadata={"help": "seconds between checks of the stage's progress"})
     solo: bool = field(default=False, metadata={"help": "step alone, never average (debugging)"})
 
@@ -224,6 +235,15 @@ class EpochConfig:
             raise ValueError(f"--lookahead-samples must be >= 0, got {self.lookahead_samples}")
         if self.admission_timeout <= 0:
             raise ValueError(f"--admission-timeout must be > 0, got {self.admission_timeout}")
+        if self.local_batch < 0:
+            raise ValueError(f"--local-batch must be >= 0, got {self.local_batch}")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.local_batch and (self.delay_optimizer_step or self.solo):
+            flag = "--delay-optimizer-step" if self.delay_optimizer_step else "--solo"
+            raise ValueError(f"--local-batch and {flag} are two different training modes: choose one")
 
 
 @dataclass(kw_only=True)
@@ -448,6 +468,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.stage != "auto" and not (self.stage.isdigit()):
             raise ValueError(f"--stage must be a non-negative integer or 'auto', got {self.stage!r}")
+        if self.epochs.local_batch and (
+            self.averaging.param_average_every > 0 or self.averaging.allreduce_codec in LOW_RANK_CODECS
+        ):
+            raise ValueError(
+                "--local-batch averages pseudo-gradients with a whole-tensor --allreduce-codec and needs no "
+                "--param-average-every (its outer rounds leave the peers of a stage with one set of parameters)"
+            )
         if self.epochs.delay_optimizer_step and self.averaging.param_average_every > 0:
             raise ValueError(
                 "--param-average-every works with synchronous steps only: with --delay-optimizer-step a stage "

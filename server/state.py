@@ -38,7 +38,11 @@ def valid_lineage(value: object) -> TypeGuard[str]:
 def _digested(meta: dict) -> dict:
     """What a state's digest covers of its metadata: its epoch, the optimizer's per-tensor layout and scalars, the
     learning rates, and the schedule's position. Not what says who holds the state (its step counter, lineage), nor
-    settings whose keys differ between torch versions over the same tensors (peers check those when they load)."""
+    settings whose keys differ between torch versions over the same tensors (peers check those when they load). A
+    state of local-step training (`outer` in its metadata): its epoch and outer step count alone, the rest being the
+    peer's own inner optimizer."""
+    if isinstance(meta.get("outer"), dict):
+        return {"epoch": meta.get("epoch"), "n_params": meta.get("n_params"), "outer": meta["outer"]}
     groups, schedule = meta.get("param_groups") or [], meta.get("schedule") or {}
     return {
         "epoch": meta.get("epoch"),
@@ -58,6 +62,9 @@ def state_digest(tensors: Sequence[torch.Tensor], meta: dict | None = None) -> s
     h = hashlib.sha256()
     if meta is not None:
         h.update(json.dumps(_digested(meta), sort_keys=True, default=repr).encode())  # tuples and lists alike
+        if isinstance(meta.get("outer"), dict) and isinstance(meta.get("n_params"), int):
+            n = meta["n_params"]  # local steps: the outer parameters and the outer momentum (`split_outer`)
+            tensors = [*tensors[:n], *tensors[len(tensors) - n :]] if len(tensors) >= 2 * n else list(tensors)
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().data)
@@ -106,6 +113,33 @@ def state_view(
         "lineage": lineage,
     }
     return meta, tensors
+
+
+def split_outer(
+    meta: dict, tensors: list[torch.Tensor], params: Sequence[torch.Tensor], local: bool
+) -> tuple[list[torch.Tensor], tuple[list[torch.Tensor], int] | None]:
+    """A downloaded state (`state_view`'s form; with local steps, the outer momentum after it and `outer` in the
+    metadata) as (what `parse_state` reads, (the outer momentum, the outer step count) or None). `local`: whether we
+    train with local steps; a state of the other kind is refused with ValueError, as is an outer part that does not
+    fit `params` or is not finite."""
+    outer = meta.get("outer")
+    if not local:
+        if outer is not None:
+            raise ValueError("the state is of local-step training (--local-batch); this peer steps synchronously")
+        return tensors, None
+    if not isinstance(outer, dict):
+        raise ValueError("the state is of synchronous training; this peer trains with local steps (--local-batch)")
+    steps, n = outer.get("steps"), len(params)
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"the state's outer step count is {steps!r}, not a count")
+    if len(tensors) < 2 * n:
+        raise ValueError(f"the state is incomplete: {len(tensors)} tensors, fewer than twice the {n} parameters")
+    momentum = tensors[len(tensors) - n :]
+    if any(tuple(m.shape) != tuple(p.shape) for m, p in zip(momentum, params, strict=True)):
+        raise ValueError("the state's outer momentum does not match this stage's parameters")
+    if not all_finite(momentum):
+        raise ValueError("the state's outer momentum has non-finite values")
+    return tensors[: len(tensors) - n], (momentum, steps)
 
 
 def parse_state(

@@ -30,7 +30,16 @@ from server.compute import ComputeThread, DeadlineExpired, Timing
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
 from server.optim import MOMENTS, build_optimizer, build_schedule
-from server.state import INITIAL_LINEAGE, StateChecks, parse_state, state_digest, state_view, valid_lineage
+from server.outer import OuterState
+from server.state import (
+    INITIAL_LINEAGE,
+    StateChecks,
+    parse_state,
+    split_outer,
+    state_digest,
+    state_view,
+    valid_lineage,
+)
 from swarm.model import Stage, clip_gradients
 from swarm.pipeline import BackwardResult, stage_backward, stage_forward
 from swarm.protocol.tensors import WireError, check_values
@@ -95,6 +104,22 @@ class StageWorker:
         self.backwards_past_stash = 0  # ... whose version was no longer kept: recomputed at the current parameters
         self.microbatches_processed = 0
         self.timing = Timing(device, compute.slowdown)
+        # local-step training (`enable_local_steps`): the outer state, and our samples since our last inner step
+        self.outer: OuterState | None = None
+        self.local_batch = 0
+        self._local_samples = 0
+        self.inner_steps = 0
+
+    def enable_local_steps(self, local_batch: int, outer_lr: float, outer_momentum: float) -> None:
+        """Before serving, once: local-step training (server/outer.py). Every `local_batch` of our own samples our
+        optimizer steps on their mean gradient (an inner step); the stage's epochs end in an outer round instead of a
+        gradient round (`pseudo_gradients`, `outer_step`). What we share with a joiner is then the outer state and our
+        inner optimizer's (`_state_view`)."""
+        if self.tied is not None:
+            raise ValueError("local-step training (--local-batch) does not support --tie-embeddings yet")
+        with self.changing_state():
+            self.outer = OuterState(self.params, outer_lr, outer_momentum)
+            self.local_batch = local_batch
 
     async def submit(self, fn: Callable[[], R], deadline: float | None = None, request: bool = False) -> R:
         """Run `fn` on the compute thread: a `request` (Forward, Backward) after those before it, anything else before
@@ -154,7 +179,9 @@ class StageWorker:
                 self.backwards_past_stash += 1
             else:
                 self.backwards_at_stashed_version += 1
-        with self.timing.timed("backward", n), self._parameters(stashed), self.accumulated.into_next(early):
+        # local steps: every gradient goes to the next inner step, whichever epoch counts its samples
+        into_next = self.accumulated.into_next(early and self.outer is None)
+        with self.timing.timed("backward", n), self._parameters(stashed), into_next:
             result = stage_backward(
                 self.stage,
                 inputs,
@@ -166,7 +193,56 @@ class StageWorker:
         self.samples_processed += n
         self.accumulated.add(n, early, late, admission)
         self.microbatches_processed += 1
+        if self.outer is not None:
+            self._local_samples += n
+            if self._local_samples >= self.local_batch:
+                self.inner_step()
         return result
+
+    @torch.no_grad()
+    def inner_step(self) -> None:
+        """Compute thread, local steps: one step of our optimizer on the mean gradient of our samples since the last
+        one (none: nothing to do). Clipped, skipped if not finite and rolled back if it leaves parameters non-finite,
+        as any step (`_checked_step`)."""
+        k, self._local_samples = self._local_samples, 0
+        if k == 0:
+            return
+        with self.changing_state():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(k)
+            try:
+                self._checked_step()
+            finally:
+                for p in self.params:
+                    p.grad = None
+        self.inner_steps += 1
+
+    def pseudo_gradients(self) -> tuple[list[torch.Tensor], int]:
+        """Compute thread, local steps, as the epoch ends: an inner step on what is left, then (the outer parameters
+        minus ours, the samples of the epoch behind them: the weight of our part in the outer round)."""
+        assert self.outer is not None, "pseudo_gradients: local steps are not enabled"
+        self.inner_step()
+        with self.state_lock:
+            return self.outer.pseudo_gradients(self.params), self.accumulated.samples + self.accumulated.samples_late
+
+    @torch.no_grad()
+    def outer_step(self, averaged: Sequence[torch.Tensor]) -> None:
+        """Compute thread, local steps: the epoch's outer step on the stage's average of the pseudo-gradients (ours
+        alone when we are alone), which ends the epoch; our parameters become the new outer ones. An average that is
+        not finite moves nothing (`OuterState.step`): the parameters go back to the outer ones all the same."""
+        assert self.outer is not None, "outer_step: local steps are not enabled"
+        with self.changing_state():
+            self._stash_parameters()  # a backward whose forward ran before this recomputes at those parameters
+            if not self.outer.step(averaged):
+                self.steps_skipped += 1
+                logger.error("stage %d: the outer round's average is not finite; no outer step", self.stage.index)
+            for p, o in zip(self.params, self.outer.params, strict=True):
+                p.copy_(o)
+            self.param_version += 1
+            self.accumulated.take(self.epoch, mean=False)
+            self.epoch += 1
+            self.accumulated.stepped()
 
     def _accept(
         self, param_grads: list[torch.Tensor | None], grad_inputs: torch.Tensor | None, caller: str = ""
@@ -416,19 +492,31 @@ class StageWorker:
         return {**meta, "lowrank": len(self._shared_copy)}, [*tensors, *self._shared_copy]
 
     def _state_view(self) -> tuple[dict, list[torch.Tensor]]:
-        """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied)."""
-        return state_view(self.params, self.optimizer, self.schedule, self.param_version, self.epoch, self.lineage)
+        """Under the state lock: `state_tensors`' metadata, and its tensors as they live (not copied). With local
+        steps: the outer parameters in place of ours, our inner optimizer's state, then the outer momentum (`outer` in
+        the metadata: the digest covers the outer state alone, which every peer of the stage holds alike)."""
+        if self.outer is None:
+            return state_view(self.params, self.optimizer, self.schedule, self.param_version, self.epoch, self.lineage)
+        outer = self.outer
+        meta, tensors = state_view(
+            outer.params, self.optimizer, self.schedule, self.param_version, self.epoch, self.lineage
+        )
+        return {**meta, "outer": {"steps": outer.steps}}, [*tensors, *outer.momentum()]
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor], with_state: Callable[[], None] | None = None) -> None:
         """Compute thread (or before serving). Inverse of `state_tensors`; raises ValueError on a mismatch, changing
         nothing. `with_state`: loads what is shared with the state (the downloaded state's low-rank factors) in the
         same change, once the state is checked and loaded, so that no reader sees the new parameters with the old
         factors (nor the new factors beside our parameters if the state is refused)."""
+        tensors, outer = split_outer(meta, tensors, self.params, local=self.outer is not None)
         params, state, schedule = self._parsed(meta, tensors)
         with self.changing_state(), torch.no_grad():
             self._stash.clear()  # versions of another history: a backward that names one is recomputed as of now
             for p, t in zip(self.params, params, strict=True):
                 p.copy_(t)
+            if self.outer is not None and outer is not None:  # our inner steps begin again from the outer state
+                self.outer.load(params, *outer)
+                self._local_samples = 0
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
             self.schedule.load_state_dict(schedule)
             self.param_version = int(meta["param_version"])

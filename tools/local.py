@@ -94,6 +94,10 @@ class LocalConfig:
         default=EpochConfig.lookahead_samples,
         metadata={"help": "stage 0 admits this many samples of the next global batch early (see swarm-server)"},
     )
+    # local-step training (swarm-server's flags: default, help)
+    local_batch: int = flag_of(EpochConfig, "local_batch")
+    outer_lr: float = flag_of(EpochConfig, "outer_lr")
+    outer_momentum: float = flag_of(EpochConfig, "outer_momentum")
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
     private: bool = field(
@@ -160,6 +164,9 @@ class LocalConfig:
                 samples_per_step=self.samples_per_step,
                 delay_optimizer_step=self.delay_optimizer_step,
                 lookahead_samples=self.lookahead_samples,
+                local_batch=self.local_batch,
+                outer_lr=self.outer_lr,
+                outer_momentum=self.outer_momentum,
             ),
             averaging=dataclasses.replace(
                 base.averaging,

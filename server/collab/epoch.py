@@ -43,7 +43,7 @@ from server.collab.progress import StagePeers
 from server.collab.recovery import Recovery
 from server.collab.rules import Act, EpochView
 from server.collab.served import KEEP_EPOCHS, Served
-from server.collab.stepper import DelayedStep, Stepper, SynchronousStep
+from server.collab.stepper import DelayedStep, LocalStep, Stepper, SynchronousStep
 from server.collab.tickets import Ticket, Tickets, by_signer, ticket_key
 from server.collab.tied import TiedAveraging, build_tied
 from server.config import AveragingConfig, EpochConfig, NetworkConfig
@@ -124,11 +124,20 @@ class StageCollaboration:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="allreduce")
         self.recovery = Recovery(worker, self.averaging.state, self.peers, averaging, stage, self._pool)
         parts = (worker, self.averaging, self.tied, self.peers, self.recovery, averaging, stage, self._pool)
-        self.stepper: Stepper = (
-            DelayedStep(*parts, tell=self._tell, stopping=self._stopping, spawn=self._spawn)
-            if epochs.delay_optimizer_step
-            else SynchronousStep(*parts, tell=self._tell, stopping=self._stopping)
-        )
+        self.stepper: Stepper
+        if epochs.local_batch:
+            self.stepper = LocalStep(
+                *parts,
+                tell=self._tell,
+                stopping=self._stopping,
+                local_batch=epochs.local_batch,
+                outer_lr=epochs.outer_lr,
+                outer_momentum=epochs.outer_momentum,
+            )
+        elif epochs.delay_optimizer_step:
+            self.stepper = DelayedStep(*parts, tell=self._tell, stopping=self._stopping, spawn=self._spawn)
+        else:
+            self.stepper = SynchronousStep(*parts, tell=self._tell, stopping=self._stopping)
         self._kick = asyncio.Event()
         # the DHT reads an unlisted sender of Progress triggers
         self._lookup = ThrottledRead(self.peers.refresh, LOOKUP_INTERVAL_S, network.peer_timeout)

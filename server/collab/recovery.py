@@ -264,6 +264,11 @@ class Recovery:
         taken on its word (nobody at its epoch to vouch for it or against it), whatever it sent. A state more than
         MAX_BOUNDED_STEPS versions on (a peer restarted from an old checkpoint) is beyond any check, and taken on the
         vouching alone, as is any state through a lossy --state-codec."""
+        if isinstance(meta.get("outer"), dict):
+            # local steps: the outer state moves by outer steps on averaged pseudo-gradients, which no replay of one
+            # optimizer step bounds; taken on the vouching alone (docs/trust.md)
+            self.load(meta, tensors, keep_gradients, digest)
+            return
         try:
             version, epoch = int(meta["param_version"]), int(meta["epoch"])
         except Exception as e:  # inf overflows int(): any malformed number is the sender's fault

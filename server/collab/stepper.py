@@ -1,7 +1,6 @@
 """How an ending epoch's gradients become the stage's step: a `Stepper`, with the synchronous and the delayed step
 as its two implementations. The epoch protocol (epoch.py) decides *when* an epoch ends; a stepper decides how the
-epoch's round and step run and what the stage may serve meanwhile. Local-step training (the DiLoCo family) is meant
-to be a third implementation: inner steps on every epoch, an outer round every H.
+epoch's round and step run and what the stage may serve meanwhile.
 
 - `SynchronousStep`: the round and the step run as one job on the compute thread. Requests queue behind it (the
   event loop, Info and health stay live), so no request sees a half-finished epoch.
@@ -9,8 +8,11 @@ to be a third implementation: inner steps on every epoch, an outer round every H
   the stage computes the next epoch with the previous parameters, and the step lands when the round is over
   (delayed parameter updates). A call admitted two epochs past the one being averaged waits for that step
   (`must_wait`).
+- `LocalStep` (--local-batch, the DiLoCo family): each peer takes inner steps alone as its samples come (the worker,
+  every --local-batch of them); the epoch's end is an outer round: the stage averages the peers' pseudo-gradients and
+  every peer takes the same outer step (server/outer.py). The round and the step run as one job, as synchronous ones.
 
-Both average through `average` below: the stage's round, and beside it the tied weight's round of stage 0 and the last
+All three average through `average` below: the stage's round, and beside it the tied weight's round of stage 0 and the last
 stage. What a stepper writes and the epoch protocol reads: `averaged` (the last epoch whose stage round ended for us;
 our Progress says it), `diverged` and `diverged_at` (we stepped alone after a failed delayed round). Each is an int or
 a bool, written by one thread at a time.
@@ -240,3 +242,46 @@ class DelayedStep(Stepper):
         self.worker.apply_gradients(merged, load=load)
         if alone:
             self.worker.branch()
+
+
+class LocalStep(Stepper):
+    """Inner steps are the worker's (`StageWorker.inner_step`); this runs the outer round as an epoch ends. With H
+    inner steps per peer between outer rounds (H = --samples-per-step / (peers x --local-batch)), a stage's peers
+    send one round's bytes per H steps. The outer interval is counted in samples, as synchronous epochs are: the stage
+    already agrees on those counts (signed, proven by stage 0's admissions), where inner steps differ from peer to
+    peer with their speed."""
+
+    def __init__(self, *args, local_batch: int, outer_lr: float, outer_momentum: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.worker.enable_local_steps(local_batch, outer_lr, outer_momentum)
+
+    async def step(self, epoch: int, n_peers: int, skip_to: int | None) -> None:
+        await self.worker.submit(lambda: self._outer_round(n_peers, skip_to))
+
+    def _outer_round(self, n_peers: int, skip_to: int | None) -> None:
+        """Compute thread. A round that fails changes nothing of the outer state (it fails closed): our inner steps go
+        on, our samples stay counted towards the epoch, and the next try of the round, or a copy of the state of a
+        peer that finished the epoch (the catch-up), ends it."""
+        epoch = self.worker.epoch
+        if self.skip_if_empty(epoch, n_peers, skip_to):
+            return
+        pseudo, n = self.worker.pseudo_gradients()
+        reference = self.peers.lineage_reference(epoch, self.worker.lineage) if n_peers > 1 else None
+        averaged, _ = self.average(pseudo, n, n_peers, epoch, True)
+        if averaged is None:
+            if not self.stopping():
+                logger.warning(
+                    "stage %d epoch %d: the outer round failed; the outer state stays the stage's last",
+                    self.stage,
+                    epoch,
+                )
+            return
+        self.worker.outer_step(averaged)
+        if n_peers <= 1 and n > 0:
+            self.worker.branch()  # peers we did not know of may have stepped too, alone or together
+        if self.stopping():
+            return
+        if reference is not None:  # peers of another history took this round with us: copy one
+            self.recovery.adopt(reference, epoch)
+        if skip_to is not None and skip_to > self.worker.epoch:  # stage 0 left these epochs with no sample of ours
+            self.worker.skip_to(skip_to)
