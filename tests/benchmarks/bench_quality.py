@@ -90,6 +90,20 @@ def configurations() -> dict[str, LocalConfig]:
         "tied embeddings, no compression": dataclasses.replace(
             d, tie_embeddings=True, codec="none", allreduce_codec="none"
         ),
+        # local-step training (issue 50): H inner steps per peer between outer rounds = outer / (2 peers x local)
+        **{
+            f"local {lb}, outer {outer} (H {outer // (2 * lb)}), all-reduce {codec}": dataclasses.replace(
+                d, local_batch=lb, samples_per_step=outer, allreduce_codec=codec
+            )
+            for lb, outer, codec in [
+                (8, 128, "none"),
+                (8, 128, "blockwise8"),
+                (8, 512, "none"),
+                (8, 512, "blockwise8"),
+                (32, 512, "blockwise8"),
+                (8, 2048, "blockwise8"),
+            ]
+        },
     }
 
 
@@ -312,13 +326,22 @@ def main(argv: list[str] | None = None) -> int:
             common.log(f"{corpus} / {name}: swarm run")
             run = run_swarm(name, local, train_path, samples, out, args.timeout)
             completed = [s["steps"] for s in run["stats"]]  # trainer t reads the stream of seed t
-            per_batch = local.samples_per_step // local.batch_size
-            key = (tuple(completed), local.lr, local.samples_per_step, local.batch_size, repr(cfg))  # cfg: the model
+            # local steps: the one process is synchronous training's, at the default global batch (an outer interval
+            # is not a batch), and there are no global batches of the swarm's own to replay
+            reference = dataclasses.replace(local, samples_per_step=LocalConfig().samples_per_step, local_batch=0)
+            per_batch = reference.samples_per_step // local.batch_size
+            key = (
+                tuple(completed),
+                local.lr,
+                reference.samples_per_step,
+                local.batch_size,
+                repr(cfg),
+            )  # cfg: the model
             if key not in reference_cache:
                 common.log(f"{corpus} / {name}: one process on the same {sum(completed)} microbatches, round-robin")
-                reference_cache[key] = one_process(cfg, train, local, round_robin(completed, per_batch), batch)
+                reference_cache[key] = one_process(cfg, train, reference, round_robin(completed, per_batch), batch)
             ref = reference_cache[key]
-            same = swarm_batches(run["records"], local.samples_per_step)
+            same = None if local.local_batch else swarm_batches(run["records"], local.samples_per_step)
             if same is not None:
                 common.log(f"{corpus} / {name}: one process on the swarm's own {len(same)} global batches")
             ref_same = one_process(cfg, train, local, same, batch) if same is not None else None
@@ -357,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             "peer gap",
             "samples/s",
             "all-reduce MB/peer-epoch (fp32/sent)",
+            "all-reduce kB/sample",
         ],
         [
             [
@@ -370,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 "/".join(f"{g:.1e}" for g in r["peer_gap"]),
                 f"{r['samples_per_second']:.1f}",
                 allreduce_cell(*r["allreduce_mb_fp32_mb_epochs"]),
+                f"{1e3 * r['allreduce_mb_fp32_mb_epochs'][0] / max(1, r['samples']):.2f}",
             ]
             for r in results
         ],
