@@ -90,15 +90,16 @@ class StageRouter:
         for peer_id in (*entering, *added):
             self._peers[peer_id].key = floor
 
-    def choose(self, task_size: int, exclude: Collection[str] = ()) -> str | None:
+    def choose(self, task_size: int, exclude: Collection[str] = (), prefer: str | None = None) -> str | None:
         """Peer with the smallest key among available, non-excluded peers (ties: least recently chosen); charge it
-        ``task_size × ema``. None when no peer is available."""
+        ``task_size × ema``. None when no peer is available. `prefer`: that peer if it is available and not
+        excluded, whatever its key (a Backward goes to the peer that served its Forward: trainer.py)."""
         if task_size <= 0:
             raise ValueError(f"task_size must be positive, got {task_size}")
         candidates = [(p.key, p.last_chosen, peer_id) for peer_id, p in self._live_items() if peer_id not in exclude]
         if not candidates:
             return None
-        peer_id = min(candidates)[2]
+        peer_id = prefer if any(c[2] == prefer for c in candidates) else min(candidates)[2]
         peer = self._peers[peer_id]
         peer.key += task_size * self._cost(peer)
         peer.chosen += 1

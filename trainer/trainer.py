@@ -172,8 +172,21 @@ class Trainer:
         self.stopping.set()
 
     async def train_microbatch(self, mb_id: str, tokens: torch.Tensor, labels: torch.Tensor) -> MicrobatchResult:
+        """One microbatch through the pipeline. A stage's Backward goes to the peer that served its Forward while that
+        peer is routable: its recompute then runs at the parameters that made the outputs the gradient came from (the
+        version the call names is that peer's). With local steps (--local-batch) the peers of a stage hold parameters
+        of their own between outer rounds, and another peer's recompute would differ from the forward; synchronous
+        peers hold the same ones, and the choice costs nothing. A peer that fails or left: any other, as routed."""
+        forward_peers: dict[int, str] = {}
+
         async def call(stage, method, tensors, expect_shape, forward_version, admission):
-            return await self._call(stage, method, mb_id, tensors, expect_shape, forward_version, admission)
+            prefer = forward_peers.get(stage) if method == "Backward" else None
+            reply, peer_id = await self._call(
+                stage, method, mb_id, tensors, expect_shape, forward_version, admission, prefer
+            )
+            if method == "Forward":
+                forward_peers[stage] = peer_id
+            return reply
 
         result = await train_microbatch(call, self.n_stages, self.model_cfg.boundary_width, tokens, labels)
         if result.loss is None or not math.isfinite(result.loss):
@@ -189,7 +202,9 @@ class Trainer:
         expect_shape: tuple[int, ...] | None,
         forward_version: int | None = None,
         admission: Admission | None = None,
-    ) -> StageReply:
+        prefer: str | None = None,
+    ) -> tuple[StageReply, str]:
+        """-> (the reply, the peer that served it). `prefer`: the peer to try first if it is routable."""
         router, tried, last_error, attempts = self.routers[stage], set[str](), None, 0
         # peers that turned the call away without failing: stage 0 peers whose share of the global batch was full,
         # and peers catching up with their stage
@@ -199,7 +214,7 @@ class Trainer:
         n = next(iter(tensors.values())).shape[0]
         waiting = False
         while attempts < self.cfg.max_retries:
-            peer_id = router.choose(n, exclude=tried)
+            peer_id = router.choose(n, exclude=tried, prefer=prefer)
             if peer_id is None and router.available:
                 if refused:  # every peer's share is full, or the counts were on their way: ask again shortly
                     if time.monotonic() > give_up:
@@ -272,7 +287,7 @@ class Trainer:
             router.report_success(peer_id, n, time.monotonic() - start)
             self.deadlines.succeeded(stage, method, time.monotonic() - start)
             self.versions[stage] = max(self.versions[stage], reply.param_version)
-            return reply
+            return reply, peer_id
         raise MicrobatchLost(f"stage {stage} {method} failed {attempts} times; last error: {last_error!r}")
 
     def _route(self, stage: int) -> None:

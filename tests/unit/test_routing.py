@@ -3,6 +3,7 @@
 import heapq
 import math
 import random
+import time
 
 import pytest
 
@@ -212,3 +213,13 @@ def test_ema_update():
     router.report_success("a", task_size=2, seconds=2.0)  # first measurement replaces the prior
     router.report_success("a", task_size=2, seconds=4.0)
     assert router.snapshot()["a"]["ema"] == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)
+
+
+def test_a_preferred_peer_is_chosen_while_it_is_available_and_not_excluded():
+    router = StageRouter()
+    router.update_peers({"a": time.time() + 3600, "b": time.time() + 3600})
+    assert [router.choose(1, prefer="b") for _ in range(3)] == ["b"] * 3  # whatever its key
+    assert router.choose(1, exclude={"b"}, prefer="b") == "a"
+    assert router.choose(1, prefer="gone") in ("a", "b")
+    router.report_failure("b")
+    assert router.choose(1, prefer="b") == "a"
