@@ -99,7 +99,7 @@ class StageRouter:
         candidates = [(p.key, p.last_chosen, peer_id) for peer_id, p in self._live_items() if peer_id not in exclude]
         if not candidates:
             return None
-        peer_id = prefer if any(c[2] == prefer for c in candidates) else min(candidates)[2]
+        peer_id = next((c[2] for c in candidates if c[2] == prefer), None) or min(candidates)[2]
         peer = self._peers[peer_id]
         peer.key += task_size * self._cost(peer)
         peer.chosen += 1
