@@ -221,6 +221,18 @@ def _moved_beyond(
 RATIO_STEPS = 20_000  # past this many steps Adam's bias corrections are 1 within 1e-8: the update bound's limit
 
 
+def beyond_steps(name: str, groups: list[dict], before: torch.Tensor, after: torch.Tensor, steps: int) -> bool:
+    """Pure. Whether `after` is further from `before` (one parameter) than `steps` steps of optimizer `name` can move
+    it from there, whatever the gradients (`groups`: our hyperparameters; the peak learning rate). Local-step
+    training holds an outer round's average pseudo-gradient to it: every honest peer's inner steps stay within it, and
+    so does any average of theirs."""
+    beta1, beta2 = (float(b) for b in groups[0]["betas"])
+    lr = float(groups[0].get("initial_lr", groups[0]["lr"]))
+    decay = float(groups[0].get("weight_decay", 0.0))
+    ratio = update_ratio_bound(beta1, beta2, 1, RATIO_STEPS)
+    return _moved_beyond(name, before, after, steps, lr, decay, ratio)
+
+
 def not_within_drift(
     name: str, before: torch.Tensor, groups: list[dict], after: torch.Tensor, after_state: dict, steps: int | None
 ) -> str | None:

@@ -29,7 +29,7 @@ from server.accumulation import Accumulation
 from server.compute import ComputeThread, DeadlineExpired, Timing
 from server.config import ComputeConfig, GuardConfig, OptimizerConfig
 from server.guard import GradientGuard, GradientRejected, all_finite, total_norm
-from server.optim import MOMENTS, build_optimizer, build_schedule
+from server.optim import MOMENTS, beyond_steps, build_optimizer, build_schedule
 from server.outer import OuterState
 from server.state import (
     INITIAL_LINEAGE,
@@ -106,20 +106,23 @@ class StageWorker:
         self.timing = Timing(device, compute.slowdown)
         # local-step training (`enable_local_steps`): the outer state, and our samples since our last inner step
         self.outer: OuterState | None = None
-        self.local_batch = 0
+        self.local_batch = self.max_inner_steps = 0
         self._local_samples = 0
         self.inner_steps = 0
 
-    def enable_local_steps(self, local_batch: int, outer_lr: float, outer_momentum: float) -> None:
+    def enable_local_steps(
+        self, local_batch: int, outer_lr: float, outer_momentum: float, max_inner_steps: int
+    ) -> None:
         """Before serving, once: local-step training (server/outer.py). Every `local_batch` of our own samples our
         optimizer steps on their mean gradient (an inner step); the stage's epochs end in an outer round instead of a
         gradient round (`pseudo_gradients`, `outer_step`). What we share with a joiner is then the outer state and our
-        inner optimizer's (`_state_view`)."""
+        inner optimizer's (`_state_view`). `max_inner_steps`: the most inner steps a peer can take in one interval;
+        an outer round's average that moves further than they can is refused (`outer_step`)."""
         if self.tied is not None:
             raise ValueError("local-step training (--local-batch) does not support --tie-embeddings yet")
         with self.changing_state():
             self.outer = OuterState(self.params, outer_lr, outer_momentum)
-            self.local_batch = local_batch
+            self.local_batch, self.max_inner_steps = local_batch, max_inner_steps
 
     async def submit(self, fn: Callable[[], R], deadline: float | None = None, request: bool = False) -> R:
         """Run `fn` on the compute thread: a `request` (Forward, Backward) after those before it, anything else before
@@ -230,11 +233,23 @@ class StageWorker:
     def outer_step(self, averaged: Sequence[torch.Tensor]) -> None:
         """Compute thread, local steps: the epoch's outer step on the stage's average of the pseudo-gradients (ours
         alone when we are alone), which ends the epoch; our parameters become the new outer ones. An average that is
-        not finite moves nothing (`OuterState.step`): the parameters go back to the outer ones all the same."""
+        not finite, or that moves a parameter further than `max_inner_steps` inner steps can (a peer sent what no
+        inner steps make), moves nothing: every peer of the round got the same average and refuses it alike, and the
+        parameters go back to the outer ones all the same."""
         assert self.outer is not None, "outer_step: local steps are not enabled"
         with self.changing_state():
             self._stash_parameters()  # a backward whose forward ran before this recomputes at those parameters
-            if not self.outer.step(averaged):
+            beyond = self._beyond_inner_steps(averaged)
+            if beyond is not None:
+                self.steps_skipped += 1
+                logger.error(
+                    "stage %d: the outer round's average moves parameter %d further than %d inner steps can; no outer "
+                    "step",
+                    self.stage.index,
+                    beyond,
+                    self.max_inner_steps,
+                )
+            elif not self.outer.step(averaged):
                 self.steps_skipped += 1
                 logger.error("stage %d: the outer round's average is not finite; no outer step", self.stage.index)
             for p, o in zip(self.params, self.outer.params, strict=True):
@@ -363,6 +378,17 @@ class StageWorker:
             if end_epoch:
                 self.epoch += 1
             self.accumulated.stepped()  # that epoch's round is over
+
+    def _beyond_inner_steps(self, averaged: Sequence[torch.Tensor]) -> int | None:
+        """Under the state lock: the first parameter that the outer parameters minus `averaged` put further from them
+        than `max_inner_steps` steps of our optimizer can, or None (non-finite values are `OuterState.step`'s)."""
+        assert self.outer is not None
+        name, groups = self.optim_cfg.optimizer, self.optimizer.param_groups
+        for i, (o, g) in enumerate(zip(self.outer.params, averaged, strict=True)):
+            before = o.detach().cpu()
+            if torch.isfinite(g).all() and beyond_steps(name, groups, before, before - g.cpu(), self.max_inner_steps):
+                return i
+        return None
 
     def tied_state(self) -> list[torch.Tensor]:
         """Any thread. Our copy of the tied weight and its optimizer state, as CPU tensors: [weight, first moment,

@@ -133,6 +133,7 @@ class StageCollaboration:
                 local_batch=epochs.local_batch,
                 outer_lr=epochs.outer_lr,
                 outer_momentum=epochs.outer_momentum,
+                samples_per_step=epochs.samples_per_step,
             )
         elif epochs.delay_optimizer_step:
             self.stepper = DelayedStep(*parts, tell=self._tell, stopping=self._stopping, spawn=self._spawn)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -251,9 +252,14 @@ class LocalStep(Stepper):
     already agrees on those counts (signed, proven by stage 0's admissions), where inner steps differ from peer to
     peer with their speed."""
 
-    def __init__(self, *args, local_batch: int, outer_lr: float, outer_momentum: float, **kwargs):
+    def __init__(
+        self, *args, local_batch: int, outer_lr: float, outer_momentum: float, samples_per_step: int, **kwargs
+    ):
         super().__init__(*args, **kwargs)
-        self.worker.enable_local_steps(local_batch, outer_lr, outer_momentum)
+        # a peer's samples in an interval: at most its epoch's, and as many late or early beside them (generous: the
+        # bound refuses what no inner steps make, not what these ones did), plus the step on the rest
+        steps = 2 * math.ceil(samples_per_step / local_batch) + 2
+        self.worker.enable_local_steps(local_batch, outer_lr, outer_momentum, steps)
 
     async def step(self, epoch: int, n_peers: int, skip_to: int | None) -> None:
         await self.worker.submit(lambda: self._outer_round(n_peers, skip_to))

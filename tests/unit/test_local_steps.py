@@ -14,12 +14,12 @@ from swarm.config import tiny_test
 from swarm.model import Stage
 from tests.stages import CPU, random_batch
 
-OUTER_LR, OUTER_MOMENTUM, LOCAL_BATCH, MICROBATCH = 0.7, 0.9, 4, 2
+OUTER_LR, OUTER_MOMENTUM, LOCAL_BATCH, MICROBATCH, MAX_INNER_STEPS = 0.7, 0.9, 4, 2, 4
 
 
 def _local_worker(cfg, optimizer: OptimizerConfig) -> StageWorker:
     w = StageWorker(Stage(cfg, cfg.n_stages - 1), optimizer, ComputeConfig(), CPU)
-    w.enable_local_steps(LOCAL_BATCH, OUTER_LR, OUTER_MOMENTUM)
+    w.enable_local_steps(LOCAL_BATCH, OUTER_LR, OUTER_MOMENTUM, MAX_INNER_STEPS)
     return w
 
 
@@ -129,6 +129,25 @@ def test_a_non_finite_average_moves_nothing_and_the_parameters_return_to_the_out
     assert w.steps_skipped == 1 and w.epoch == 1
     for p, o, b in zip(w.params, w.outer.params, outer_before, strict=True):
         assert torch.equal(p.detach(), b) and torch.equal(o, b)
+
+
+@pytest.mark.parametrize("scale", [1e3, -1e3])
+def test_an_average_no_inner_steps_make_moves_nothing(scale):
+    """A pseudo-gradient beyond what MAX_INNER_STEPS steps of AdamW can move a parameter (a hostile peer's, in the
+    average every peer gets) is refused by each peer alike; an honest one a few steps long is taken."""
+    cfg = tiny_test()
+    w = _local_worker(cfg, OptimizerConfig())
+    outer_before = [p.clone() for p in w.outer.params]
+    for hidden, labels in _microbatches(cfg, 0, 0, 4):
+        w.backward(hidden, labels=labels, global_batch=0)
+    honest, _ = w.pseudo_gradients()
+    assert w.inner_steps == 2
+    w.outer_step([scale * g for g in honest])
+    assert w.steps_skipped == 1 and w.outer.steps == 0
+    for p, o, b in zip(w.params, w.outer.params, outer_before, strict=True):
+        assert torch.equal(p.detach(), b) and torch.equal(o, b)
+    w.outer_step(honest)
+    assert w.steps_skipped == 1 and w.outer.steps == 1
 
 
 def test_a_joiner_takes_the_outer_state_and_its_digest_is_the_stage_s():
