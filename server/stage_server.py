@@ -20,7 +20,7 @@ from dht.node import SwarmDHT
 from dht.records import ServerRecord
 from dht.relay import report as report_relays
 from server.checkpoint import load_checkpoint, save_checkpoint
-from server.collab import Collaboration, LocalSteps, StageCollaboration
+from server.collab import Collaboration, SoloSteps, StageCollaboration
 from server.config import ServerConfig
 from server.heap import settle, trim_forever
 from server.metrics import fill_server_metrics
@@ -311,7 +311,7 @@ class StageServer:
         cfg, tries = self.cfg, 1
         while True:
             collab: Collaboration = (
-                LocalSteps(worker, cfg.epochs.samples_per_step)
+                SoloSteps(worker, cfg.epochs.samples_per_step)
                 if cfg.epochs.solo
                 else StageCollaboration(worker, self.sdht, stage, cfg.epochs, cfg.averaging, cfg.network)
             )

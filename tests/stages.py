@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from server.collab import LocalSteps
+from server.collab import SoloSteps
 from server.config import ComputeConfig, OptimizerConfig
 from server.schema import StageSchema
 from server.service import StageService
@@ -63,7 +63,7 @@ class InProcessStages:
         compute = ComputeConfig(max_batch_size=max_batch)
         self.workers = {i: worker_cls(Stage(cfg, i), OptimizerConfig(), compute, device) for i in self.indices}
         self.services = {
-            i: StageService(w, StageSchema(cfg, i, max_batch), LocalSteps(w, samples_per_step))
+            i: StageService(w, StageSchema(cfg, i, max_batch), SoloSteps(w, samples_per_step))
             for i, w in self.workers.items()
         }
         self.addresses: dict[int, str] = {}

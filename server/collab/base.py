@@ -135,7 +135,7 @@ class Collaboration(Protocol):
         ...
 
 
-class LocalSteps:
+class SoloSteps:
     """No peers to average with (tests, a one-peer stage without a DHT): step once this peer has the global batch."""
 
     allreduce_bytes = allreduce_fp32_bytes = rounds_ok = rounds_failed = state_downloads = progress_bytes = 0
