@@ -49,6 +49,13 @@ VARIANTS = {  # name -> (servers per stage, extra server flags)
         [*PARAMS_EVERY_EPOCH, "--no-param-average-probe"],
     ),
     "2 per stage, fixed groups, parameters probed every epoch": (2, PARAMS_EVERY_EPOCH),
+    # local-step training (--local-batch): inner steps every 32 of a peer's samples, an outer round every 512 samples
+    # of the stage (H = 8), with the drain at each outer boundary, and with the next interval admitted meanwhile
+    "2 per stage, local steps (local batch 32, outer 512)": (2, ["--local-batch", "32", "--samples-per-step", "512"]),
+    "2 per stage, local steps (local batch 32, outer 512), lookahead 512": (
+        2,
+        ["--local-batch", "32", "--samples-per-step", "512", "--lookahead-samples", "512"],
+    ),
 }
 # with emulated devices (--slowdown 2 or more) only: one server per stage on a device as fast as two, the same compute per stage
 # as the 2x swarms in one peer, whose global batch drains through devices twice as fast and needs no all-reduce

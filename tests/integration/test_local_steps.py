@@ -23,10 +23,11 @@ def info(address: str) -> pb.InfoReply:
 
 @pytest.mark.timeout(600)
 def test_local_steps_train_and_the_peers_of_each_stage_end_every_outer_round_on_one_outer_state(tmp_path):
-    """3 stages x 2 peers, two trainers, 6 outer rounds of 64 samples with inner steps every 8 of a peer's samples:
-    no microbatch lost, the loss falls, each peer took several inner steps per outer round, the peers of each stage
+    """3 stages x 2 peers, two trainers, 6 outer rounds of 64 samples with inner steps every 8 of a peer's samples,
+    and a third stage-1 peer that joins after two rounds: no microbatch lost, the loss falls, each peer took several
+    inner steps per outer round, the peers of each stage (the joiner too: it downloaded the outer state and served)
     reach the same epoch with the same outer state (Info's digest covers it), each checkpoint's weights are those of
-    its stage peer, and the stage averaged once per outer round (what synchronous steps would average every 16)."""
+    its stage peer, and the stage averaged at most once per outer round."""
     per_trainer = EPOCHS * OUTER_INTERVAL // BATCH // TRAINERS
     server_flags = [
         *("--samples-per-step", str(OUTER_INTERVAL), "--local-batch", str(LOCAL_BATCH), "--lr", "2e-3"),
@@ -34,26 +35,34 @@ def test_local_steps_train_and_the_peers_of_each_stage_end_every_outer_round_on_
         *("--allreduce-codec", "none"),
     ]
     addresses = {(s, r): f"127.0.0.1:{free_port()}" for s in range(3) for r in range(2)}
+    joiner = (1, 2)  # joins stage 1 in the middle of the run: it takes the outer state and goes on with the stage
+    addresses[joiner] = f"127.0.0.1:{free_port()}"
     folder = tmp_path / "local"
+
+    def start(swarm: LocalSwarm, stage: int, r: int) -> None:
+        flags = [*server_flags, "--port", addresses[stage, r].rpartition(":")[2]]
+        swarm.start_server(f"server-s{stage}-r{r}", stage, [*flags, "--checkpoint-dir", str(folder / f"c{stage}{r}")])
+
     with LocalSwarm(folder, "local", model_args()) as swarm:
         swarm.start_dht()
-        for (stage, r), address in addresses.items():
-            flags = [*server_flags, "--port", address.rpartition(":")[2]]
-            swarm.start_server(
-                f"server-s{stage}-r{r}", stage, [*flags, "--checkpoint-dir", str(folder / f"c{stage}{r}")]
-            )
+        for stage, r in addresses:
+            if (stage, r) != joiner:
+                start(swarm, stage, r)
         for t in range(TRAINERS):
             log = folder / f"trainer-{t}-losses.jsonl"
             flags = ["--batch-size", str(BATCH), "--in-flight", str(IN_FLIGHT), "--data-seed", str(t)]
             swarm.start_trainer(f"trainer-{t}", [*flags, "--max-steps", str(per_trainer), "--loss-log", str(log)])
         trainers = [swarm.children[f"trainer-{t}"] for t in range(TRAINERS)]
+        wait_for(lambda: info(addresses[1, 0]).epoch >= 2, 300, "two outer rounds")
+        start(swarm, *joiner)
         wait_for(lambda: not any(t.alive() for t in trainers), 400, f"{EPOCHS} outer rounds of the local swarm")
         stats = swarm.trainer_stats()
         assert all(s["lost_microbatches"] == 0 for s in stats), stats
 
         def one_outer_state_per_stage() -> dict | None:
             found = digests(addresses)
-            return found if all(found[s, 0] == found[s, 1] for s in range(3)) else None
+            same = all(found[s, 0] == found[s, 1] for s in range(3)) and found[joiner] == found[1, 0]
+            return found if same else None
 
         found = wait_for(one_outer_state_per_stage, 60, "the peers of each stage to hold one outer state")
         infos = {key: info(address) for key, address in addresses.items()}
@@ -66,7 +75,10 @@ def test_local_steps_train_and_the_peers_of_each_stage_end_every_outer_round_on_
     assert len(records) >= TRAINERS * per_trainer
     assert last < first - 0.2, (first, last)
     assert all(epoch >= EPOCHS - 1 for epoch, _ in found.values()), found
+    assert infos[joiner].state_downloads >= 1 and infos[joiner].samples_processed > 0, infos[joiner]
     for key, i in infos.items():
+        if key == joiner:
+            continue
         # inner steps: ~4 a peer per outer round (the last stage's peers too), plus one outer step per round
         assert i.param_version >= 2 * i.epoch, (key, i.param_version, i.epoch)
         assert i.rounds_ok <= i.epoch + 1 and i.rounds_failed <= 2, (key, i.rounds_ok, i.rounds_failed)
