@@ -8,7 +8,8 @@ outer step to the same outer parameters, then takes them as its live parameters.
 and get the same average (hivemind's all-reduce hands every member the same one) stay bitwise equal at every outer
 boundary, whatever their inner steps were.
 
-The outer optimizer is torch's SGD with Nesterov momentum (the paper's: learning rate 0.7, momentum 0.9). Its one
+The outer optimizer is torch's SGD with Nesterov momentum (the paper's: learning rate 0.7, momentum 0.9; ours by
+default 1 and 0, plain averaging of the peers' parameters, which trained better at our runs' length). Its one
 tensor of state per parameter, the momentum, travels with a stage's state (`momentum`, `load`).
 """
 

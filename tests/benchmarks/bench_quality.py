@@ -104,6 +104,21 @@ def configurations() -> dict[str, LocalConfig]:
                 (8, 2048, "blockwise8"),
             ]
         },
+        # the outer step as plain averaging (outer lr 1, no momentum: FedAvg / local SGD), which bench_local_steps
+        # found better than DiLoCo's Nesterov (0.7, 0.9) at these short runs
+        **{
+            f"local {lb}, outer {outer} (H {outer // (2 * lb)}), all-reduce {codec}, outer lr 1 momentum 0": (
+                dataclasses.replace(
+                    d,
+                    local_batch=lb,
+                    samples_per_step=outer,
+                    allreduce_codec=codec,
+                    outer_lr=1.0,
+                    outer_momentum=0.0,
+                )
+            )
+            for lb, outer, codec in [(8, 128, "blockwise8"), (8, 512, "blockwise8"), (32, 512, "blockwise8")]
+        },
     }
 
 
