@@ -98,6 +98,7 @@ class LocalConfig:
     local_batch: int = flag_of(EpochConfig, "local_batch")
     outer_lr: float = flag_of(EpochConfig, "outer_lr")
     outer_momentum: float = flag_of(EpochConfig, "outer_momentum")
+    stash_versions: int = flag_of(ComputeConfig, "stash_versions")
     log_dir: str | None = field(default=None, metadata={"help": "per-process logs (default: a new temporary folder)"})
     swarm_name: str = field(default="local", metadata={"help": "DHT namespace"})
     private: bool = field(
@@ -176,7 +177,7 @@ class LocalConfig:
                     if f.name.startswith("allreduce_") or f.name == "fixed_groups"
                 },
             ),
-            compute=dataclasses.replace(base.compute, slowdown=self.slowdown),
+            compute=dataclasses.replace(base.compute, slowdown=self.slowdown, stash_versions=self.stash_versions),
             rebalancing=RebalanceConfig(period_s=self.rebalance_period_s, cooldown_s=2 * self.rebalance_period_s),
         )
 

@@ -119,6 +119,10 @@ def configurations() -> dict[str, LocalConfig]:
             )
             for lb, outer, codec in [(8, 128, "blockwise8"), (8, 512, "blockwise8"), (32, 512, "blockwise8")]
         },
+        # every version a microbatch in flight can name kept: its Backward recomputes at its Forward's parameters
+        "local 8, outer 128 (H 8), all-reduce blockwise8, outer lr 1 momentum 0, stash 32": dataclasses.replace(
+            d, local_batch=8, samples_per_step=128, outer_lr=1.0, outer_momentum=0.0, stash_versions=32
+        ),
     }
 
 
