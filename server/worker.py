@@ -210,7 +210,10 @@ class StageWorker:
         k, self._local_samples = self._local_samples, 0
         if k == 0:
             return
-        with self.changing_state():
+        # the state lock alone, not `changing_state`: the digest covers the outer state, which an inner step leaves as
+        # it is, so the cached digest stays valid (hashing the outer state again after every inner step would cost
+        # seconds under the lock for a large stage at every Info that asks for it)
+        with self.state_lock:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(k)

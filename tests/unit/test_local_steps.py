@@ -166,6 +166,15 @@ def test_a_joiner_takes_the_outer_state_and_its_digest_is_the_stage_s():
         assert torch.equal(a, b)
     assert joiner.digest() == donor.digest()
     assert state_digest(tensors, meta) == donor.digest()[1]
+    # an inner step leaves the outer state, so the cached digest stands; the next outer step changes it
+    cached, generation = joiner.digest(), joiner._generation
+    for hidden, labels in _microbatches(cfg, 1, 9, 2):
+        joiner.backward(hidden, labels=labels, global_batch=joiner.epoch)
+    assert joiner.inner_steps >= 1 and joiner._generation == generation and joiner.digest() == cached
+    meta, tensors = joiner.state_tensors()
+    assert state_digest(tensors, meta) == cached[1]
+    joiner.outer_step(_average([joiner.pseudo_gradients()]))
+    assert joiner.digest() != cached
 
 
 def test_a_state_of_the_other_training_mode_or_a_broken_outer_part_is_refused_changing_nothing():
